@@ -1,0 +1,52 @@
+// Collective algorithms, written only against Transport. Each takes an
+// options struct and documents its schedule next to its code in
+// algorithms.cc. All are blocking and must be entered by every rank of the
+// transport in the same order with the same options (except buffers).
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "common.h"
+#include "transport/transport.h"
+
+namespace keras_ring {
+
+struct AllreduceOptions {
+  void* buffer = nullptr;      // in place: this rank's input on entry, result on return
+  size_t count = 0;            // elements
+  DataType dtype = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;  // kAverage = kSum with postscale / size
+  double prescale_factor = 1.0;
+  double postscale_factor = 1.0;
+  size_t segment_bytes = size_t(1) << 20;  // pipelining granularity
+  int tag = 0;
+};
+
+// Ring allreduce: reduce-scatter then allgather, p-1 steps each, segmented so
+// that receiving the next segment overlaps reducing the current one.
+void RingAllreduce(Transport& t, const AllreduceOptions& o);
+
+struct AllgatherOptions {
+  const void* input = nullptr;     // this rank's block, block_bytes[rank] bytes
+  void* output = nullptr;          // sum(block_bytes) bytes, blocks in rank order
+  std::vector<size_t> block_bytes;  // one entry per rank; may differ and be 0
+  size_t segment_bytes = size_t(1) << 20;
+  int tag = 0;
+};
+
+// Ring allgather of variable-sized blocks.
+void RingAllgather(Transport& t, const AllgatherOptions& o);
+
+struct BroadcastOptions {
+  void* buffer = nullptr;  // root: the data; others: receives it
+  size_t bytes = 0;
+  int root = 0;
+  size_t segment_bytes = size_t(1) << 20;
+  int tag = 0;
+};
+
+// Binomial-tree broadcast from any root.
+void Broadcast(Transport& t, const BroadcastOptions& o);
+
+}  // namespace keras_ring

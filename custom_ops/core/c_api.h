@@ -1,0 +1,107 @@
+/* The engine's C ABI: the only thing framework adapters (the TF ops, the
+ * pybind11 binding, later XLA custom calls) see of the engine.
+ *
+ * Requests are matched across ranks by name. kr_enqueue never blocks on
+ * communication: the engine's background thread negotiates, runs the
+ * collective and then calls request->done from that thread, exactly once.
+ */
+#ifndef KERAS_RING_C_API_H_
+#define KERAS_RING_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KR_API __attribute__((visibility("default")))
+
+typedef enum {
+  KR_FLOAT16 = 0,
+  KR_BFLOAT16 = 1,
+  KR_FLOAT32 = 2,
+  KR_FLOAT64 = 3,
+  KR_INT8 = 4,
+  KR_UINT8 = 5,
+  KR_INT32 = 6,
+  KR_INT64 = 7,
+} kr_dtype;
+
+/* Numbering as horovod's ReduceOp (2 was Adasum, which we do not offer). */
+typedef enum {
+  KR_AVERAGE = 0,
+  KR_SUM = 1,
+  KR_MIN = 3,
+  KR_MAX = 4,
+  KR_PRODUCT = 5,
+} kr_reduce_op;
+
+typedef enum {
+  KR_ALLREDUCE = 0,
+  KR_ALLGATHER = 1,
+  KR_BROADCAST = 2,
+} kr_collective;
+
+typedef enum {
+  KR_OK = 0,
+  KR_INVALID_ARGUMENT = 1,   /* bad request, or ranks disagree on it */
+  KR_NOT_INITIALIZED = 2,    /* init() not called, or shut down */
+  KR_ABORTED = 3,            /* shutdown with the request still pending */
+  KR_INTERNAL = 4,           /* transport or engine failure */
+} kr_status;
+
+#define KR_DEVICE_CPU (-1)
+
+typedef struct kr_request {
+  const char* name;          /* matched across ranks; copied by kr_enqueue */
+  kr_collective collective;
+  kr_dtype dtype;
+  int ndim;
+  const int64_t* shape;      /* copied by kr_enqueue */
+  const void* input;
+  /* Allreduce and broadcast write a result of the input's shape here; it may
+   * equal input (in place). Allgather leaves it NULL and gets its output from
+   * allocate_output once the gathered first dimension is known. */
+  void* output;
+  kr_reduce_op reduce_op;    /* allreduce only */
+  double prescale_factor;    /* allreduce only: input scaled before reducing */
+  double postscale_factor;   /* allreduce only: result scaled after */
+  int root_rank;             /* broadcast only */
+  int device;                /* KR_DEVICE_CPU; GPU ordinals come later */
+  /* Called from the engine thread; returns NULL if allocation failed. */
+  void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape);
+  /* Called exactly once from the engine thread (or from kr_enqueue when the
+   * request is refused). message is valid only during the call. */
+  void (*done)(void* ctx, kr_status status, const char* message);
+  void* ctx;
+} kr_request;
+
+typedef struct kr_topology {
+  int rank, size;
+  int local_rank, local_size;
+  int cross_rank, cross_size;
+  int is_homogeneous;
+  int mpi_threads_supported;
+} kr_topology;
+
+/* Starts the engine (and MPI if nobody has). Must be called from the thread
+ * that will later let the process exit (the MPI "main" thread). Returns
+ * KR_OK or an error with a message in err. Calling it twice is a no-op. */
+KR_API kr_status kr_init(char* err, size_t err_len);
+/* Stops the engine; pending requests complete with KR_ABORTED. Collective:
+ * returns once every rank has called it. kr_init may be called again. */
+KR_API kr_status kr_shutdown(char* err, size_t err_len);
+/* Finalizes MPI if kr_init started it. Called once at process exit. */
+KR_API void kr_finalize(void);
+KR_API int kr_is_initialized(void);
+KR_API kr_status kr_get_topology(kr_topology* out);
+KR_API kr_status kr_enqueue(const kr_request* request);
+/* MPI library version string of the MPI we were built against and loaded. */
+KR_API const char* kr_mpi_library_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KERAS_RING_C_API_H_ */

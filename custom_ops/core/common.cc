@@ -1,0 +1,77 @@
+#include "common.h"
+
+namespace keras_ring {
+
+size_t DataTypeSize(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16:
+    case DataType::kBFloat16:
+      return 2;
+    case DataType::kFloat32:
+    case DataType::kInt32:
+      return 4;
+    case DataType::kFloat64:
+    case DataType::kInt64:
+      return 8;
+    case DataType::kInt8:
+    case DataType::kUInt8:
+      return 1;
+  }
+  throw EngineError("keras-ring internal: DataTypeSize of invalid dtype " +
+                    std::to_string(static_cast<int>(dtype)));
+}
+
+// The name functions feed error messages, so an invalid value gets a
+// placeholder instead of a second error.
+const char* DataTypeName(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16: return "float16";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kInt8: return "int8";
+    case DataType::kUInt8: return "uint8";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+  }
+  return "invalid dtype";
+}
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kAverage: return "average";
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kProduct: return "product";
+  }
+  return "invalid reduce op";
+}
+
+const char* CollectiveName(Collective c) {
+  switch (c) {
+    case Collective::kAllreduce: return "allreduce";
+    case Collective::kAllgather: return "allgather";
+    case Collective::kBroadcast: return "broadcast";
+  }
+  return "invalid collective";
+}
+
+bool IsValidDataType(int dtype) { return dtype >= KR_FLOAT16 && dtype <= KR_INT64; }
+
+bool IsValidReduceOp(int op) {
+  switch (op) {
+    case KR_AVERAGE:
+    case KR_SUM:
+    case KR_MIN:
+    case KR_MAX:
+    case KR_PRODUCT:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool IsValidCollective(int c) { return c >= KR_ALLREDUCE && c <= KR_BROADCAST; }
+
+}  // namespace keras_ring

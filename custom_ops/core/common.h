@@ -1,0 +1,65 @@
+// Vocabulary shared by every layer of the engine: data types, reduce ops,
+// collectives and a small Status type. No MPI, no TensorFlow.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "c_api.h"
+
+namespace keras_ring {
+
+enum class DataType : int {
+  kFloat16 = KR_FLOAT16,
+  kBFloat16 = KR_BFLOAT16,
+  kFloat32 = KR_FLOAT32,
+  kFloat64 = KR_FLOAT64,
+  kInt8 = KR_INT8,
+  kUInt8 = KR_UINT8,
+  kInt32 = KR_INT32,
+  kInt64 = KR_INT64,
+};
+
+// Values follow horovod's ReduceOp numbering so that scripts passing raw ints
+// keep their meaning.
+enum class ReduceOp : int {
+  kAverage = KR_AVERAGE,
+  kSum = KR_SUM,
+  kMin = KR_MIN,
+  kMax = KR_MAX,
+  kProduct = KR_PRODUCT,
+};
+
+enum class Collective : int {
+  kAllreduce = KR_ALLREDUCE,
+  kAllgather = KR_ALLGATHER,
+  kBroadcast = KR_BROADCAST,
+};
+
+size_t DataTypeSize(DataType dtype);
+const char* DataTypeName(DataType dtype);
+const char* ReduceOpName(ReduceOp op);
+const char* CollectiveName(Collective c);
+bool IsValidDataType(int dtype);
+bool IsValidReduceOp(int op);
+bool IsValidCollective(int c);
+
+// Error raised inside the engine (transport failure, invariant broken). The
+// background thread turns it into a failed request; it never crosses the C ABI.
+class EngineError : public std::runtime_error {
+ public:
+  explicit EngineError(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Enforce-style check: says what was expected and what was found.
+#define KR_CHECK(cond, msg)                                                  \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      throw ::keras_ring::EngineError(std::string("keras-ring internal: ") + \
+                                      (msg) + " [" #cond "]");               \
+    }                                                                        \
+  } while (0)
+
+}  // namespace keras_ring

@@ -1,0 +1,437 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <numeric>
+
+#include "algorithms.h"
+#include "transport/mpi_transport.h"
+
+namespace keras_ring {
+
+namespace {
+
+// Control messages travel on their own communicator, data on another, so a
+// ready list can never be mistaken for tensor bytes.
+constexpr int kTagReady = 1;
+constexpr int kTagResponse = 2;
+constexpr int kCoordinator = 0;
+
+// While requests are in flight the loop polls MPI; it spins (yielding) for a
+// few idle passes, then sleeps with a backoff capped at kMaxPollSleep. With no
+// request in flight it sleeps until one arrives: an idle engine costs nothing.
+constexpr int kSpinPasses = 32;
+constexpr auto kMaxPollSleep = std::chrono::microseconds(1000);
+
+std::chrono::microseconds PollSleep(int idle_passes) {
+  int doublings = std::min(idle_passes - kSpinPasses, 7);
+  return std::min(kMaxPollSleep, std::chrono::microseconds(10) * (1 << doublings));
+}
+
+size_t ElementCount(const std::vector<int64_t>& shape, size_t first = 0) {
+  size_t n = 1;
+  for (size_t i = first; i < shape.size(); ++i) n *= static_cast<size_t>(shape[i]);
+  return n;
+}
+
+void SetError(std::string* error, const std::string& message) {
+  if (error) *error = message;
+}
+
+}  // namespace
+
+Engine& Engine::Get() {
+  static Engine* engine = new Engine();  // never destroyed: callbacks may outlive statics
+  return *engine;
+}
+
+bool Engine::initialized() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return running_;
+}
+
+kr_status Engine::Init(std::string* error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (running_) return KR_OK;
+  try {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) {
+      SetError(error, "keras-ring: MPI has already been finalized in this process; "
+                      "init() cannot start it again.");
+      return KR_INTERNAL;
+    }
+    int inited = 0, provided = 0;
+    MPI_Initialized(&inited);
+    if (!inited) {
+      CheckMpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided),
+               "MPI_Init_thread");
+      we_initialized_mpi_ = true;
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    // Only the background thread talks to MPI once init() returns, so
+    // SERIALIZED is enough; MULTIPLE lets the user's mpi4py run beside us.
+    if (provided < MPI_THREAD_SERIALIZED) {
+      SetError(error, "keras-ring: MPI was initialised with thread level " +
+                          std::to_string(provided) +
+                          "; keras-ring needs at least MPI_THREAD_SERIALIZED. Initialise MPI "
+                          "with MPI_Init_thread(MPI_THREAD_MULTIPLE) or let keras-ring do it.");
+      return KR_INTERNAL;
+    }
+    CheckMpi(MPI_Comm_dup(MPI_COMM_WORLD, &control_comm_), "MPI_Comm_dup");
+    CheckMpi(MPI_Comm_dup(MPI_COMM_WORLD, &data_comm_), "MPI_Comm_dup");
+    MPI_Comm_set_errhandler(control_comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(data_comm_, MPI_ERRORS_RETURN);
+
+    kr_topology t{};
+    MPI_Comm_rank(control_comm_, &t.rank);
+    MPI_Comm_size(control_comm_, &t.size);
+    MPI_Comm local, cross;
+    CheckMpi(MPI_Comm_split_type(control_comm_, MPI_COMM_TYPE_SHARED, t.rank, MPI_INFO_NULL,
+                                 &local),
+             "MPI_Comm_split_type");
+    MPI_Comm_rank(local, &t.local_rank);
+    MPI_Comm_size(local, &t.local_size);
+    CheckMpi(MPI_Comm_split(control_comm_, t.local_rank, t.rank, &cross), "MPI_Comm_split");
+    MPI_Comm_rank(cross, &t.cross_rank);
+    MPI_Comm_size(cross, &t.cross_size);
+    int min_local = 0, max_local = 0;
+    MPI_Allreduce(&t.local_size, &min_local, 1, MPI_INT, MPI_MIN, control_comm_);
+    MPI_Allreduce(&t.local_size, &max_local, 1, MPI_INT, MPI_MAX, control_comm_);
+    t.is_homogeneous = min_local == max_local;
+    t.mpi_threads_supported = provided == MPI_THREAD_MULTIPLE;
+    MPI_Comm_free(&local);
+    MPI_Comm_free(&cross);
+    topology_ = t;
+  } catch (const EngineError& e) {
+    SetError(error, e.what());
+    return KR_INTERNAL;
+  }
+
+  transport_ = std::make_unique<MpiTransport>(data_comm_);
+  coordinator_.reset(topology_.rank == kCoordinator ? new Coordinator(topology_.size) : nullptr);
+  pending_.clear();
+  queue_.clear();
+  shutdown_requested_ = false;
+  shutdown_sent_ = false;
+  running_ = true;
+  thread_ = std::thread(&Engine::Loop, this);
+  return KR_OK;
+}
+
+kr_status Engine::Shutdown(std::string* error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!running_ && !thread_.joinable()) return KR_OK;
+    shutdown_requested_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  running_ = false;
+  transport_.reset();
+  coordinator_.reset();
+  MPI_Comm_free(&control_comm_);
+  MPI_Comm_free(&data_comm_);
+  SetError(error, "");
+  return KR_OK;
+}
+
+void Engine::Finalize() {
+  Shutdown(nullptr);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (we_initialized_mpi_ && !finalized) MPI_Finalize();
+}
+
+kr_status Engine::Enqueue(const kr_request& r) {
+  auto refuse = [&](kr_status status, const std::string& message) {
+    r.done(r.ctx, status, message.c_str());
+    return status;
+  };
+  std::string name = r.name ? r.name : "";
+  auto bad = [&](const std::string& what) {
+    return refuse(KR_INVALID_ARGUMENT, "keras-ring: invalid request for tensor '" + name +
+                                           "': " + what);
+  };
+  if (name.empty()) return bad("a tensor name is required");
+  if (!IsValidCollective(r.collective)) return bad("unknown collective " + std::to_string(r.collective));
+  if (!IsValidDataType(r.dtype)) return bad("unsupported dtype code " + std::to_string(r.dtype));
+  if (r.ndim < 0 || (r.ndim > 0 && !r.shape)) return bad("invalid shape");
+  if (r.device != KR_DEVICE_CPU) return bad("only host (CPU) memory is supported in this build");
+
+  Request req;
+  req.meta.name = name;
+  req.meta.collective = static_cast<Collective>(r.collective);
+  req.meta.dtype = static_cast<DataType>(r.dtype);
+  req.meta.shape.assign(r.shape, r.shape + r.ndim);
+  for (int64_t d : req.meta.shape) {
+    if (d < 0) return bad("negative dimension in shape");
+  }
+  switch (req.meta.collective) {
+    case Collective::kAllreduce:
+      if (!IsValidReduceOp(r.reduce_op)) return bad("unknown reduce op " + std::to_string(r.reduce_op));
+      req.meta.op = static_cast<ReduceOp>(r.reduce_op);
+      req.meta.prescale_factor = r.prescale_factor;
+      req.meta.postscale_factor = r.postscale_factor;
+      break;
+    case Collective::kBroadcast:
+      req.meta.root_rank = r.root_rank;
+      break;
+    case Collective::kAllgather:
+      if (r.ndim < 1) return bad("allgather needs a tensor of rank 1 or more");
+      if (!r.allocate_output) return bad("allgather needs an allocate_output callback");
+      break;
+  }
+  if (req.meta.collective != Collective::kAllgather && ElementCount(req.meta.shape) > 0 &&
+      (!r.input || !r.output)) {
+    return bad("input and output buffers are required");
+  }
+  req.input = r.input;
+  req.output = r.output;
+  req.device = r.device;
+  req.allocate_output = r.allocate_output;
+  req.done = r.done;
+  req.ctx = r.ctx;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!running_ || shutdown_requested_) {
+      return refuse(KR_NOT_INITIALIZED, "keras-ring is not initialised (call init() first) "
+                                        "or has been shut down; tensor '" + name + "'");
+    }
+    if (req.meta.collective == Collective::kBroadcast &&
+        (r.root_rank < 0 || r.root_rank >= topology_.size)) {
+      return bad("root_rank " + std::to_string(r.root_rank) + " is outside [0, " +
+                 std::to_string(topology_.size) + ")");
+    }
+    queue_.push_back(std::move(req));
+  }
+  cv_.notify_one();
+  return KR_OK;
+}
+
+void Engine::Loop() {
+  int idle_passes = 0;
+  try {
+    for (;;) {
+      std::deque<Request> fresh;
+      bool shutdown;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        auto has_news = [&] { return !queue_.empty() || (shutdown_requested_ && !shutdown_sent_); };
+        bool in_flight = !pending_.empty() || shutdown_sent_ || !sends_.empty();
+        if (!in_flight) {
+          cv_.wait(lock, has_news);
+        } else if (idle_passes > kSpinPasses && !has_news()) {
+          cv_.wait_for(lock, PollSleep(idle_passes), has_news);
+        }
+        fresh.swap(queue_);
+        shutdown = shutdown_requested_;
+      }
+      if (idle_passes > 0 && idle_passes <= kSpinPasses) std::this_thread::yield();
+
+      bool progress = !fresh.empty();
+      std::vector<TensorMeta> metas;
+      for (auto& req : fresh) {
+        const std::string& name = req.meta.name;
+        if (pending_.count(name)) {
+          req.Complete(KR_INVALID_ARGUMENT,
+                       "keras-ring: tensor '" + name + "' was submitted again while a "
+                       "collective of the same name is still in flight on rank " +
+                           std::to_string(topology_.rank) + "; names must be unique among "
+                           "concurrent operations (pass name=...)");
+          continue;
+        }
+        metas.push_back(req.meta);
+        pending_.emplace(name, std::move(req));
+      }
+      bool send_shutdown = shutdown && !shutdown_sent_;
+      if (!metas.empty() || send_shutdown) {
+        SendReadyList(std::move(metas), send_shutdown);
+        shutdown_sent_ = shutdown_sent_ || send_shutdown;
+      }
+      ResponseList list;
+      bool got = coordinator_ ? ReceiveOnCoordinator(&list) : ReceiveResponses(&list);
+      ReapSends();
+      if (got) {
+        progress = true;
+        Execute(list);
+        if (list.shutdown) break;
+      }
+      idle_passes = progress ? 0 : idle_passes + 1;
+    }
+    for (auto& send : sends_) MPI_Wait(&send.first, MPI_STATUS_IGNORE);
+    sends_.clear();
+  } catch (const EngineError& e) {
+    // The ranks can no longer be assumed to be in step: fail everything, and
+    // refuse new work until shutdown() (which returns at once: no negotiation).
+    FailAll(KR_INTERNAL, e.what());
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+    for (auto& req : queue_) req.Complete(KR_INTERNAL, e.what());
+    queue_.clear();
+  }
+}
+
+void Engine::SendReadyList(std::vector<TensorMeta> metas, bool shutdown) {
+  if (coordinator_) {
+    for (auto& m : metas) coordinator_->Add(kCoordinator, std::move(m), &decided_);
+    if (shutdown) coordinator_->RequestShutdown(kCoordinator);
+    return;
+  }
+  auto bytes = std::make_shared<std::vector<char>>(SerializeMetas(metas, shutdown));
+  MPI_Request req;
+  CheckMpi(MPI_Isend(bytes->data(), static_cast<int>(bytes->size()), MPI_BYTE, kCoordinator,
+                     kTagReady, control_comm_, &req),
+           "MPI_Isend (ready list)");
+  sends_.emplace_back(req, std::move(bytes));
+}
+
+namespace {
+
+// Receives one probed control message of any size.
+std::vector<char> ReceiveProbed(MPI_Comm comm, const MPI_Status& status) {
+  int count = 0;
+  MPI_Get_count(&status, MPI_BYTE, &count);
+  std::vector<char> bytes(count);
+  CheckMpi(MPI_Recv(bytes.data(), count, MPI_BYTE, status.MPI_SOURCE, status.MPI_TAG, comm,
+                    MPI_STATUS_IGNORE),
+           "MPI_Recv (control)");
+  return bytes;
+}
+
+}  // namespace
+
+bool Engine::ReceiveOnCoordinator(ResponseList* out) {
+  for (;;) {
+    int flag = 0;
+    MPI_Status status;
+    CheckMpi(MPI_Iprobe(MPI_ANY_SOURCE, kTagReady, control_comm_, &flag, &status), "MPI_Iprobe");
+    if (!flag) break;
+    std::vector<TensorMeta> metas;
+    bool shutdown = false;
+    DeserializeMetas(ReceiveProbed(control_comm_, status), &metas, &shutdown);
+    for (auto& m : metas) coordinator_->Add(status.MPI_SOURCE, std::move(m), &decided_);
+    if (shutdown) coordinator_->RequestShutdown(status.MPI_SOURCE);
+  }
+  out->responses.swap(decided_);
+  out->shutdown = coordinator_->AllRequestedShutdown();
+  if (out->responses.empty() && !out->shutdown) return false;
+  auto bytes = std::make_shared<std::vector<char>>(SerializeResponses(*out));
+  for (int r = 0; r < topology_.size; ++r) {
+    if (r == kCoordinator) continue;
+    MPI_Request req;
+    CheckMpi(MPI_Isend(bytes->data(), static_cast<int>(bytes->size()), MPI_BYTE, r, kTagResponse,
+                       control_comm_, &req),
+             "MPI_Isend (responses)");
+    sends_.emplace_back(req, bytes);
+  }
+  return true;
+}
+
+bool Engine::ReceiveResponses(ResponseList* out) {
+  int flag = 0;
+  MPI_Status status;
+  CheckMpi(MPI_Iprobe(kCoordinator, kTagResponse, control_comm_, &flag, &status), "MPI_Iprobe");
+  if (!flag) return false;
+  *out = DeserializeResponses(ReceiveProbed(control_comm_, status));
+  return true;
+}
+
+void Engine::ReapSends() {
+  auto done = [](std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>& send) {
+    int flag = 0;
+    CheckMpi(MPI_Test(&send.first, &flag, MPI_STATUS_IGNORE), "MPI_Test (control send)");
+    return flag != 0;
+  };
+  sends_.erase(std::remove_if(sends_.begin(), sends_.end(), done), sends_.end());
+}
+
+void Engine::Execute(const ResponseList& list) {
+  for (const Response& resp : list.responses) {
+    auto it = pending_.find(resp.name);
+    KR_CHECK(it != pending_.end(), "the coordinator scheduled tensor '" + resp.name +
+                                       "', which this rank has not submitted");
+    Request req = std::move(it->second);
+    pending_.erase(it);
+    Run(req, resp);
+  }
+  if (list.shutdown) {
+    FailAll(KR_ABORTED, "keras-ring: shutdown() was called while this operation was pending; "
+                        "not every rank submitted it");
+  }
+}
+
+void Engine::Run(const Request& req, const Response& resp) {
+  if (!resp.error.empty()) {
+    req.Complete(KR_INVALID_ARGUMENT, resp.error);
+    return;
+  }
+  const TensorMeta& m = req.meta;
+  const size_t esize = DataTypeSize(m.dtype);
+  try {
+    switch (m.collective) {
+      case Collective::kAllreduce: {
+        size_t count = ElementCount(m.shape);
+        if (count && req.output != req.input) std::memcpy(req.output, req.input, count * esize);
+        AllreduceOptions o;
+        o.buffer = req.output;
+        o.count = count;
+        o.dtype = m.dtype;
+        o.op = m.op;
+        o.prescale_factor = m.prescale_factor;
+        o.postscale_factor = m.postscale_factor;
+        RingAllreduce(*transport_, o);
+        break;
+      }
+      case Collective::kBroadcast: {
+        size_t bytes = ElementCount(m.shape) * esize;
+        if (bytes && topology_.rank == m.root_rank && req.output != req.input) {
+          std::memcpy(req.output, req.input, bytes);
+        }
+        BroadcastOptions o;
+        o.buffer = req.output;
+        o.bytes = bytes;
+        o.root = m.root_rank;
+        Broadcast(*transport_, o);
+        break;
+      }
+      case Collective::kAllgather: {
+        const size_t row_bytes = ElementCount(m.shape, 1) * esize;
+        std::vector<int64_t> out_shape = m.shape;
+        out_shape[0] = std::accumulate(resp.first_dims.begin(), resp.first_dims.end(), int64_t{0});
+        AllgatherOptions o;
+        for (int64_t d : resp.first_dims) o.block_bytes.push_back(static_cast<size_t>(d) * row_bytes);
+        o.input = req.input;
+        void* out = req.allocate_output(req.ctx, static_cast<int>(out_shape.size()), out_shape.data());
+        // Without an output this rank must still take part, or the others hang.
+        std::vector<char> scratch;
+        if (!out) scratch.resize(static_cast<size_t>(out_shape[0]) * row_bytes);
+        o.output = out ? out : scratch.data();
+        RingAllgather(*transport_, o);
+        if (!out) {
+          req.Complete(KR_INTERNAL, "keras-ring: could not allocate the output of allgather for "
+                                    "tensor '" + m.name + "'");
+          return;
+        }
+        break;
+      }
+    }
+  } catch (const EngineError& e) {
+    req.Complete(KR_INTERNAL, std::string(e.what()) + " (tensor '" + m.name + "')");
+    throw;
+  }
+  req.Complete(KR_OK, "");
+}
+
+void Engine::FailAll(kr_status status, const std::string& message) {
+  for (auto& entry : pending_) {
+    entry.second.Complete(status, message + " (tensor '" + entry.first + "')");
+  }
+  pending_.clear();
+}
+
+}  // namespace keras_ring

@@ -1,0 +1,88 @@
+// The per-process engine: a request queue and a background thread that
+// negotiates with the other ranks, runs the agreed collectives over a
+// Transport and completes requests through their callbacks.
+#pragma once
+
+#include <mpi.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "c_api.h"
+#include "common.h"
+#include "negotiation.h"
+#include "transport/transport.h"
+
+namespace keras_ring {
+
+// A request as the engine keeps it: the caller's kr_request with its name and
+// shape copied.
+struct Request {
+  TensorMeta meta;
+  const void* input = nullptr;
+  void* output = nullptr;
+  int device = KR_DEVICE_CPU;
+  void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape) = nullptr;
+  void (*done)(void* ctx, kr_status status, const char* message) = nullptr;
+  void* ctx = nullptr;
+
+  void Complete(kr_status status, const std::string& message) const {
+    done(ctx, status, message.c_str());
+  }
+};
+
+class Engine {
+ public:
+  static Engine& Get();
+
+  kr_status Init(std::string* error);
+  kr_status Shutdown(std::string* error);
+  void Finalize();
+  bool initialized() const;
+  kr_topology topology() const { return topology_; }
+  // Validates and queues; on refusal calls done itself and returns the status.
+  kr_status Enqueue(const kr_request& request);
+
+ private:
+  Engine() = default;
+  void Loop();
+  // One pass of the background loop; returns true if anything happened.
+  bool Cycle();
+  void SendReadyList(std::vector<TensorMeta> metas, bool shutdown);
+  bool ReceiveOnCoordinator(ResponseList* out);
+  bool ReceiveResponses(ResponseList* out);
+  void Execute(const ResponseList& list);
+  void Run(const Request& req, const Response& resp);
+  void FailAll(kr_status status, const std::string& message);
+  void ReapSends();
+
+  // Shared between framework threads and the background thread.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Request> queue_;
+  bool shutdown_requested_ = false;
+  bool running_ = false;
+
+  // Owned by the background thread while it runs.
+  std::thread thread_;
+  std::unordered_map<std::string, Request> pending_;
+  bool shutdown_sent_ = false;
+  std::unique_ptr<Coordinator> coordinator_;       // rank 0 only
+  std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
+  // Control messages in flight with the bytes they send from.
+  std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
+  std::unique_ptr<Transport> transport_;
+
+  MPI_Comm control_comm_ = MPI_COMM_NULL;
+  MPI_Comm data_comm_ = MPI_COMM_NULL;
+  bool we_initialized_mpi_ = false;
+  kr_topology topology_{};
+};
+
+}  // namespace keras_ring

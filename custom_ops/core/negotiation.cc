@@ -1,0 +1,211 @@
+#include "negotiation.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <type_traits>
+
+namespace keras_ring {
+
+namespace {
+
+class Writer {
+ public:
+  template <typename T>
+  void Put(const T& v) {
+    static_assert(std::is_trivially_copyable<T>::value, "plain values only");
+    const char* p = reinterpret_cast<const char*>(&v);
+    bytes_.insert(bytes_.end(), p, p + sizeof(T));
+  }
+  void PutString(const std::string& s) {
+    Put<uint64_t>(s.size());
+    bytes_.insert(bytes_.end(), s.begin(), s.end());
+  }
+  void PutDims(const std::vector<int64_t>& dims) {
+    Put<uint64_t>(dims.size());
+    for (int64_t d : dims) Put(d);
+  }
+  std::vector<char> Take() { return std::move(bytes_); }
+
+ private:
+  std::vector<char> bytes_;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::vector<char>& bytes) : bytes_(bytes) {}
+  template <typename T>
+  T Get() {
+    KR_CHECK(pos_ + sizeof(T) <= bytes_.size(), "truncated control message");
+    T v;
+    std::memcpy(&v, bytes_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  std::string GetString() {
+    uint64_t n = Get<uint64_t>();
+    KR_CHECK(pos_ + n <= bytes_.size(), "truncated control message");
+    std::string s(bytes_.data() + pos_, n);
+    pos_ += n;
+    return s;
+  }
+  std::vector<int64_t> GetDims() {
+    std::vector<int64_t> dims(Get<uint64_t>());
+    for (auto& d : dims) d = Get<int64_t>();
+    return dims;
+  }
+
+ private:
+  const std::vector<char>& bytes_;
+  size_t pos_ = 0;
+};
+
+std::string DimsToString(const std::vector<int64_t>& dims) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < dims.size(); ++i) s << (i ? "," : "") << dims[i];
+  s << "]";
+  return s.str();
+}
+
+}  // namespace
+
+std::string TensorMeta::Describe() const {
+  std::ostringstream s;
+  s << CollectiveName(collective) << " of " << DataTypeName(dtype) << DimsToString(shape);
+  if (collective == Collective::kAllreduce) {
+    s << " op=" << ReduceOpName(op);
+    if (prescale_factor != 1.0) s << " prescale=" << prescale_factor;
+    if (postscale_factor != 1.0) s << " postscale=" << postscale_factor;
+  }
+  if (collective == Collective::kBroadcast) s << " root=" << root_rank;
+  return s.str();
+}
+
+std::vector<char> SerializeMetas(const std::vector<TensorMeta>& metas, bool shutdown) {
+  Writer w;
+  w.Put<uint8_t>(shutdown);
+  w.Put<uint64_t>(metas.size());
+  for (const auto& m : metas) {
+    w.PutString(m.name);
+    w.Put<int32_t>(static_cast<int32_t>(m.collective));
+    w.Put<int32_t>(static_cast<int32_t>(m.dtype));
+    w.Put<int32_t>(static_cast<int32_t>(m.op));
+    w.Put(m.prescale_factor);
+    w.Put(m.postscale_factor);
+    w.Put<int32_t>(m.root_rank);
+    w.PutDims(m.shape);
+  }
+  return w.Take();
+}
+
+void DeserializeMetas(const std::vector<char>& bytes, std::vector<TensorMeta>* metas,
+                      bool* shutdown) {
+  Reader r(bytes);
+  *shutdown = r.Get<uint8_t>() != 0;
+  metas->resize(r.Get<uint64_t>());
+  for (auto& m : *metas) {
+    m.name = r.GetString();
+    m.collective = static_cast<Collective>(r.Get<int32_t>());
+    m.dtype = static_cast<DataType>(r.Get<int32_t>());
+    m.op = static_cast<ReduceOp>(r.Get<int32_t>());
+    m.prescale_factor = r.Get<double>();
+    m.postscale_factor = r.Get<double>();
+    m.root_rank = r.Get<int32_t>();
+    m.shape = r.GetDims();
+  }
+}
+
+std::vector<char> SerializeResponses(const ResponseList& list) {
+  Writer w;
+  w.Put<uint8_t>(list.shutdown);
+  w.Put<uint64_t>(list.responses.size());
+  for (const auto& resp : list.responses) {
+    w.PutString(resp.name);
+    w.PutString(resp.error);
+    w.PutDims(resp.first_dims);
+  }
+  return w.Take();
+}
+
+ResponseList DeserializeResponses(const std::vector<char>& bytes) {
+  Reader r(bytes);
+  ResponseList list;
+  list.shutdown = r.Get<uint8_t>() != 0;
+  list.responses.resize(r.Get<uint64_t>());
+  for (auto& resp : list.responses) {
+    resp.name = r.GetString();
+    resp.error = r.GetString();
+    resp.first_dims = r.GetDims();
+  }
+  return list;
+}
+
+void Coordinator::Add(int rank, TensorMeta meta, std::vector<Response>* out) {
+  Entry& e = table_[meta.name];
+  if (e.metas.empty()) {
+    e.metas.resize(size_);
+    e.present.assign(size_, false);
+  }
+  // A rank's engine refuses a name it already has in flight, so a repeat here
+  // means the ranks' engines disagree: fail the name rather than guess.
+  KR_CHECK(!e.present[rank], "rank " + std::to_string(rank) + " sent tensor '" + meta.name +
+                                 "' twice before it completed");
+  std::string name = meta.name;
+  e.metas[rank] = std::move(meta);
+  e.present[rank] = true;
+  if (++e.count < size_) return;
+  out->push_back(Decide(name, e));
+  table_.erase(name);
+}
+
+Response Coordinator::Decide(const std::string& name, const Entry& entry) const {
+  Response resp;
+  resp.name = name;
+  const TensorMeta& first = entry.metas[0];
+  bool agree = true;
+  for (int r = 1; r < size_ && agree; ++r) {
+    const TensorMeta& m = entry.metas[r];
+    agree = m.collective == first.collective && m.dtype == first.dtype;
+    if (!agree) break;
+    switch (first.collective) {
+      case Collective::kAllreduce:
+        agree = m.shape == first.shape && m.op == first.op &&
+                m.prescale_factor == first.prescale_factor &&
+                m.postscale_factor == first.postscale_factor;
+        break;
+      case Collective::kBroadcast:
+        agree = m.shape == first.shape && m.root_rank == first.root_rank;
+        break;
+      case Collective::kAllgather:
+        // Only the first dimension may differ between ranks.
+        agree = m.shape.size() == first.shape.size() &&
+                std::equal(m.shape.begin() + (m.shape.empty() ? 0 : 1), m.shape.end(),
+                           first.shape.begin() + (first.shape.empty() ? 0 : 1));
+        break;
+    }
+  }
+  if (!agree) {
+    std::ostringstream s;
+    s << "keras-ring: ranks disagree on tensor '" << name << "':";
+    for (int r = 0; r < size_; ++r) s << (r ? ";" : "") << " rank " << r << " sent "
+                                      << entry.metas[r].Describe();
+    resp.error = s.str();
+    return resp;
+  }
+  if (first.collective == Collective::kAllgather) {
+    for (const auto& m : entry.metas) resp.first_dims.push_back(m.shape.empty() ? 0 : m.shape[0]);
+  }
+  return resp;
+}
+
+void Coordinator::RequestShutdown(int rank) { shutdown_[rank] = true; }
+
+bool Coordinator::AllRequestedShutdown() const {
+  for (bool s : shutdown_) {
+    if (!s) return false;
+  }
+  return true;
+}
+
+}  // namespace keras_ring

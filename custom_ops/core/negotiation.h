@@ -1,0 +1,77 @@
+// Agreement on what to run and in what order. Every rank tells the
+// coordinator (rank 0) which named tensors it has ready; once a name is ready
+// on every rank the coordinator checks that the ranks agree on it and appends
+// a Response. All ranks then run responses in the coordinator's order, so the
+// collectives line up even when frameworks issue ops in different orders.
+//
+// This file holds the transport-free parts (metadata, wire format, the
+// coordinator's table) so that they can be tested without MPI.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+
+namespace keras_ring {
+
+// What a rank says about one tensor it has ready.
+struct TensorMeta {
+  std::string name;
+  Collective collective = Collective::kAllreduce;
+  DataType dtype = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  double prescale_factor = 1.0;
+  double postscale_factor = 1.0;
+  int root_rank = 0;
+  std::vector<int64_t> shape;
+
+  std::string Describe() const;  // "float32[2,3] Sum" and the like, for errors
+};
+
+// The coordinator's decision about one name. Later: several names fused.
+struct Response {
+  std::string name;
+  std::string error;                 // empty when the ranks agree
+  std::vector<int64_t> first_dims;   // allgather: each rank's first dimension
+};
+
+struct ResponseList {
+  std::vector<Response> responses;
+  bool shutdown = false;             // every rank asked to shut down
+};
+
+// Little-endian-agnostic byte serialisation between processes of one job
+// (all ranks run the same build, so native layout is fine).
+std::vector<char> SerializeMetas(const std::vector<TensorMeta>& metas, bool shutdown);
+void DeserializeMetas(const std::vector<char>& bytes, std::vector<TensorMeta>* metas,
+                      bool* shutdown);
+std::vector<char> SerializeResponses(const ResponseList& list);
+ResponseList DeserializeResponses(const std::vector<char>& bytes);
+
+class Coordinator {
+ public:
+  explicit Coordinator(int size) : size_(size), shutdown_(size, false) {}
+
+  // Records that `rank` has `meta` ready; appends a Response to `out` when the
+  // last rank arrives.
+  void Add(int rank, TensorMeta meta, std::vector<Response>* out);
+  void RequestShutdown(int rank);
+  bool AllRequestedShutdown() const;
+
+ private:
+  struct Entry {
+    std::vector<TensorMeta> metas;  // by rank; `present` says which are set
+    std::vector<bool> present;
+    int count = 0;
+  };
+  Response Decide(const std::string& name, const Entry& entry) const;
+
+  int size_;
+  std::unordered_map<std::string, Entry> table_;
+  std::vector<bool> shutdown_;
+};
+
+}  // namespace keras_ring

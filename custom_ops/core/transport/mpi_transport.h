@@ -1,0 +1,28 @@
+// Transport over MPI point-to-point on a communicator the engine owns (a
+// duplicate of the job's communicator, so our tags never meet the user's).
+#pragma once
+
+#include <mpi.h>
+
+#include "transport.h"
+
+namespace keras_ring {
+
+class MpiTransport : public Transport {
+ public:
+  explicit MpiTransport(MPI_Comm comm);
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  PendingPtr Isend(const void* buf, size_t bytes, int peer, int tag) override;
+  PendingPtr Irecv(void* buf, size_t bytes, int peer, int tag) override;
+
+ private:
+  MPI_Comm comm_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+// Throws EngineError naming the MPI call and MPI's own error text.
+void CheckMpi(int rc, const char* what);
+
+}  // namespace keras_ring

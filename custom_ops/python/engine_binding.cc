@@ -1,0 +1,208 @@
+// keras_ring._engine: the engine for NumPy arrays. Used by keras_ring for
+// init/topology, by tests and benchmarks that run without TensorFlow, and on
+// machines (GPU hosts) that have no TensorFlow.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "c_api.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// Completion state shared by the engine thread and Python. Holds no Python
+// objects: the engine thread must never touch them.
+struct Completion {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  kr_status status = KR_OK;
+  std::string message;
+  std::vector<char> gathered;           // allgather output
+  std::vector<int64_t> gathered_shape;
+
+  static void Done(void* ctx, kr_status status, const char* message) {
+    auto* self = static_cast<std::shared_ptr<Completion>*>(ctx);
+    {
+      std::lock_guard<std::mutex> lock((*self)->mu);
+      (*self)->status = status;
+      (*self)->message = message ? message : "";
+      (*self)->finished = true;
+    }
+    (*self)->cv.notify_all();
+    delete self;
+  }
+
+  static void* Allocate(void* ctx, int ndim, const int64_t* shape) {
+    auto& self = *static_cast<std::shared_ptr<Completion>*>(ctx);
+    self->gathered_shape.assign(shape, shape + ndim);
+    size_t count = 1;
+    for (int i = 0; i < ndim; ++i) count *= static_cast<size_t>(shape[i]);
+    self->gathered.resize(count * self->element_size + 1);  // +1: never a null data()
+    return self->gathered.data();
+  }
+
+  size_t element_size = 0;
+};
+
+kr_dtype ToKrDtype(const py::dtype& dt) {
+  const std::string name = py::str(dt.attr("name"));
+  if (name == "float16") return KR_FLOAT16;
+  if (name == "bfloat16") return KR_BFLOAT16;
+  if (name == "float32") return KR_FLOAT32;
+  if (name == "float64") return KR_FLOAT64;
+  if (name == "int8") return KR_INT8;
+  if (name == "uint8") return KR_UINT8;
+  if (name == "int32") return KR_INT32;
+  if (name == "int64") return KR_INT64;
+  throw py::type_error("keras-ring: unsupported dtype " + name +
+                       "; supported: float16, bfloat16, float32, float64, int8, uint8, int32, "
+                       "int64. Received: dtype=" + name);
+}
+
+void RaiseFor(kr_status status, const std::string& message) {
+  if (status == KR_INVALID_ARGUMENT) throw py::value_error(message);
+  throw std::runtime_error(message);
+}
+
+// A submitted collective. Keeps the arrays alive until the engine is done.
+class Handle {
+ public:
+  Handle(py::array input, py::object output, std::shared_ptr<Completion> completion)
+      : input_(std::move(input)), output_(std::move(output)), completion_(std::move(completion)) {}
+  ~Handle() {
+    py::gil_scoped_release release;
+    WaitFinished();
+  }
+
+  bool done() {
+    std::lock_guard<std::mutex> lock(completion_->mu);
+    return completion_->finished;
+  }
+
+  py::array wait() {
+    {
+      py::gil_scoped_release release;
+      WaitFinished();
+    }
+    if (completion_->status != KR_OK) RaiseFor(completion_->status, completion_->message);
+    if (!output_.is_none()) return output_;
+    py::array out(input_.dtype(), completion_->gathered_shape);
+    std::memcpy(out.mutable_data(), completion_->gathered.data(), out.nbytes());
+    return out;
+  }
+
+ private:
+  void WaitFinished() {
+    std::unique_lock<std::mutex> lock(completion_->mu);
+    completion_->cv.wait(lock, [&] { return completion_->finished; });
+  }
+
+  py::array input_;
+  py::object output_;  // None for allgather: the engine allocates
+  std::shared_ptr<Completion> completion_;
+};
+
+std::unique_ptr<Handle> Submit(int collective, py::array array, const std::string& name, int op,
+                               double prescale, double postscale, int root_rank) {
+  py::array input = py::array::ensure(array, py::array::c_style);
+  if (!input) throw py::type_error("keras-ring: expected an array-like input");
+  kr_dtype dtype = ToKrDtype(input.dtype());
+  std::vector<int64_t> shape(input.shape(), input.shape() + input.ndim());
+  py::object output = py::none();
+  void* output_data = nullptr;
+  if (collective != KR_ALLGATHER) {
+    py::array out(input.dtype(), std::vector<py::ssize_t>(shape.begin(), shape.end()));
+    output_data = out.mutable_data();
+    output = std::move(out);
+  }
+  auto completion = std::make_shared<Completion>();
+  completion->element_size = static_cast<size_t>(input.itemsize());
+
+  kr_request r{};
+  r.name = name.c_str();
+  r.collective = static_cast<kr_collective>(collective);
+  r.dtype = dtype;
+  r.ndim = static_cast<int>(shape.size());
+  r.shape = shape.data();
+  r.input = input.data();
+  r.output = output_data;
+  r.reduce_op = static_cast<kr_reduce_op>(op);
+  r.prescale_factor = prescale;
+  r.postscale_factor = postscale;
+  r.root_rank = root_rank;
+  r.device = KR_DEVICE_CPU;
+  r.allocate_output = &Completion::Allocate;
+  r.done = &Completion::Done;
+  r.ctx = new std::shared_ptr<Completion>(completion);
+  kr_enqueue(&r);  // refusals arrive through done, like any other outcome
+  return std::make_unique<Handle>(std::move(input), std::move(output), std::move(completion));
+}
+
+void Check(kr_status status, const char* err) {
+  if (status != KR_OK) RaiseFor(status, err);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_engine, m) {
+  m.doc() = "keras-ring engine binding for NumPy arrays (internal).";
+
+  m.attr("ALLREDUCE") = static_cast<int>(KR_ALLREDUCE);
+  m.attr("ALLGATHER") = static_cast<int>(KR_ALLGATHER);
+  m.attr("BROADCAST") = static_cast<int>(KR_BROADCAST);
+
+  m.def("init", [] {
+    char err[2048] = {0};
+    kr_status s;
+    {
+      py::gil_scoped_release release;
+      s = kr_init(err, sizeof(err));
+    }
+    Check(s, err);
+  });
+  m.def("shutdown", [] {
+    char err[2048] = {0};
+    kr_status s;
+    {
+      py::gil_scoped_release release;
+      s = kr_shutdown(err, sizeof(err));
+    }
+    Check(s, err);
+  });
+  m.def("finalize", [] {
+    py::gil_scoped_release release;
+    kr_finalize();
+  });
+  m.def("is_initialized", [] { return kr_is_initialized() != 0; });
+  m.def("topology", [] {
+    kr_topology t;
+    if (kr_get_topology(&t) != KR_OK) throw py::value_error("keras-ring is not initialised");
+    py::dict d;
+    d["rank"] = t.rank;
+    d["size"] = t.size;
+    d["local_rank"] = t.local_rank;
+    d["local_size"] = t.local_size;
+    d["cross_rank"] = t.cross_rank;
+    d["cross_size"] = t.cross_size;
+    d["is_homogeneous"] = t.is_homogeneous != 0;
+    d["mpi_threads_supported"] = t.mpi_threads_supported != 0;
+    return d;
+  });
+  m.def("mpi_library_version", [] { return std::string(kr_mpi_library_version()); });
+
+  py::class_<Handle>(m, "Handle")
+      .def("done", &Handle::done, "True once the collective has completed (or failed).")
+      .def("wait", &Handle::wait, "Blocks until completion; returns the result or raises.");
+  m.def("submit", &Submit, py::arg("collective"), py::arg("array"), py::arg("name"),
+        py::arg("op") = static_cast<int>(KR_SUM), py::arg("prescale_factor") = 1.0,
+        py::arg("postscale_factor") = 1.0, py::arg("root_rank") = 0,
+        "Starts a collective on a NumPy array and returns a Handle.");
+}

@@ -1,0 +1,386 @@
+// Collectives run with threads as ranks over InProcessWorld, checked against
+// serial references computed here.
+#include <cstring>
+#include <exception>
+#include <thread>
+#include <vector>
+
+#include "../core/algorithms.h"
+#include "harness.h"
+#include "test_util.h"
+
+namespace kr_test {
+namespace {
+
+using keras_ring::AllgatherOptions;
+using keras_ring::AllreduceOptions;
+using keras_ring::BroadcastOptions;
+using keras_ring::EngineError;
+using keras_ring::InProcessStats;
+using keras_ring::InProcessWorld;
+using keras_ring::Transport;
+
+std::string Describe(int p, size_t count, double pre, double post, size_t segment) {
+  return "p=" + std::to_string(p) + " count=" + std::to_string(count) + " pre=" + ToString(pre) +
+         " post=" + ToString(post) + " segment=" + std::to_string(segment) + ": ";
+}
+
+// Rank `rank`'s distinct input. Floats stay in ranges where the reduction of
+// five ranks neither overflows nor underflows, and carry NaN and infinities
+// at fixed places; integers take every bit pattern, so Sum and Product wrap.
+template <typename D>
+std::vector<typename D::Storage> RankInput(size_t count, int rank, int size, ReduceOp op) {
+  using S = typename D::Storage;
+  std::vector<S> v(count);
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t h = Mix(rank, i, static_cast<uint64_t>(op));
+    if constexpr (D::kInteger) {
+      v[i] = static_cast<S>(h);
+    } else if (op == ReduceOp::kProduct) {
+      const double magnitude = 0.5 + 1.5 * Unit(h);
+      v[i] = D::FromDouble((h & 1) ? -magnitude : magnitude);
+    } else {
+      v[i] = D::FromDouble(Unit(h) * 8.0 - 4.0);
+    }
+  }
+  if constexpr (!D::kInteger) {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    const double inf = std::numeric_limits<double>::infinity();
+    if (rank == 0 && count > 5) {
+      v[3] = D::FromDouble(nan);
+      v[5] = D::FromDouble(inf);
+    }
+    if (rank == size - 1 && count > 6) {
+      v[4] = D::FromDouble(nan);
+      v[6] = D::FromDouble(-inf);
+    }
+  }
+  return v;
+}
+
+template <typename D>
+struct Expected {
+  std::vector<typename D::Storage> values;
+  std::vector<double> tolerance;  // absolute, per element
+};
+
+// The serial reference. Integer results and Min/Max are exact, since their
+// arithmetic does not depend on the order. Float Sum and Product are
+// computed in double and allowed the rounding of p + 1 operations in the
+// dtype (p - 1 reductions, the post-scale and the reference's own rounding);
+// the prescaled inputs are rounded exactly as the kernels round them.
+template <typename D>
+Expected<D> ReferenceAllreduce(const std::vector<std::vector<typename D::Storage>>& inputs,
+                               size_t count, ReduceOp op, double pre, double post) {
+  using S = typename D::Storage;
+  const int p = static_cast<int>(inputs.size());
+  if (op == ReduceOp::kAverage) {
+    op = ReduceOp::kSum;
+    post *= 1.0 / p;
+  }
+  const bool min_max = op == ReduceOp::kMin || op == ReduceOp::kMax;
+  Expected<D> e{std::vector<S>(count), std::vector<double>(count, 0.0)};
+  for (size_t i = 0; i < count; ++i) {
+    if constexpr (D::kInteger) {
+      uint64_t acc = op == ReduceOp::kProduct ? 1 : 0;
+      S m = RefScale<D>(inputs[0][i], pre);
+      for (int r = 0; r < p; ++r) {
+        const S v = RefScale<D>(inputs[r][i], pre);
+        acc = RefWrap(acc, v, op);
+        m = RefMinMax(m, v, op);
+      }
+      e.values[i] = RefScale<D>(min_max ? m : static_cast<S>(acc), post);
+    } else if (min_max) {
+      double m = D::ToDouble(RefScale<D>(inputs[0][i], pre));
+      for (int r = 1; r < p; ++r) m = RefMinMax(m, D::ToDouble(RefScale<D>(inputs[r][i], pre)), op);
+      e.values[i] = RefScale<D>(D::FromDouble(m), post);
+    } else {
+      double acc = op == ReduceOp::kProduct ? 1.0 : 0.0;
+      double magnitude = 0.0;
+      for (int r = 0; r < p; ++r) {
+        const double v = D::ToDouble(RefScale<D>(inputs[r][i], pre));
+        acc = op == ReduceOp::kProduct ? acc * v : acc + v;
+        magnitude += std::fabs(v);
+      }
+      const double result = acc * post;
+      e.values[i] = D::FromDouble(result);
+      const double scale = op == ReduceOp::kProduct ? std::fabs(result) : magnitude * std::fabs(post);
+      e.tolerance[i] = (p + 1) * D::Epsilon() * scale + p * D::DenormMin();
+    }
+  }
+  return e;
+}
+
+template <typename D>
+void CheckAllreduce(int p, ReduceOp op, size_t count, double pre, double post,
+                    size_t segment_bytes) {
+  using S = typename D::Storage;
+  std::vector<std::vector<S>> buffers(p);
+  for (int r = 0; r < p; ++r) buffers[r] = RankInput<D>(count, r, p, op);
+  const Expected<D> want = ReferenceAllreduce<D>(buffers, count, op, pre, post);
+
+  RunRanks(p, [&](Transport& t) {
+    AllreduceOptions o;
+    o.buffer = buffers[t.rank()].data();
+    o.count = count;
+    o.dtype = D::kType;
+    o.op = op;
+    o.prescale_factor = pre;
+    o.postscale_factor = post;
+    o.segment_bytes = segment_bytes;
+    o.tag = 7;
+    keras_ring::RingAllreduce(t, o);
+  });
+
+  const std::string context = Describe(p, count, pre, post, segment_bytes);
+  for (size_t i = 0; i < count; ++i) {
+    if (!Matches<D>(buffers[0][i], want.values[i], want.tolerance[i])) {
+      KR_FAIL(context + "rank 0 index " + std::to_string(i) + ": got " +
+              ValueString<D>(buffers[0][i]) + ", want " + ValueString<D>(want.values[i]) +
+              " +- " + ToString(want.tolerance[i]));
+      break;
+    }
+  }
+  // Every rank ends with the owner's copy of each chunk: identical bits.
+  for (int r = 1; r < p; ++r) {
+    if (count > 0 && std::memcmp(buffers[r].data(), buffers[0].data(), count * sizeof(S)) != 0) {
+      KR_FAIL(context + "rank " + std::to_string(r) + " differs from rank 0");
+    }
+  }
+}
+
+// Scales that change every result: negative (swaps Min and Max), and for
+// integers odd products that truncate.
+template <typename D>
+std::pair<double, double> NontrivialScales() {
+  return D::kInteger ? std::make_pair(-3.0, 0.5) : std::make_pair(-0.5, 3.0);
+}
+
+KR_TEST_CASES(RegisterAllreduceTests) {
+  ForEachDtype([](auto dtype) {
+    using D = decltype(dtype);
+    const std::string name = keras_ring::DataTypeName(D::kType);
+    for (ReduceOp op : kAllOps) {
+      for (int p = 1; p <= 5; ++p) {
+        Register("allreduce/" + name + "/" + keras_ring::ReduceOpName(op) + "/p" +
+                     std::to_string(p),
+                 [p, op] {
+                   const auto [pre, post] = NontrivialScales<D>();
+                   // A 24-byte segment splits even the small chunks.
+                   for (size_t count : {0, 1, 7, 1001}) {
+                     CheckAllreduce<D>(p, op, count, 1.0, 1.0, 24);
+                     CheckAllreduce<D>(p, op, count, pre, post, 24);
+                   }
+                   CheckAllreduce<D>(p, op, 65537, pre, post, 4096);
+                 });
+      }
+    }
+    // About 4M elements in 4 KiB segments: every op for three ranks, and
+    // every world size for float32 sum.
+    constexpr size_t kLarge = (size_t(1) << 22) + 3;
+    for (ReduceOp op : kAllOps) {
+      Register("allreduce_large/" + name + "/" + keras_ring::ReduceOpName(op) + "/p3", [op] {
+        const auto [pre, post] = NontrivialScales<D>();
+        CheckAllreduce<D>(3, op, kLarge, pre, post, 4096);
+      });
+    }
+    if constexpr (std::is_same_v<D, Float32>) {
+      for (int p : {1, 2, 4, 5}) {
+        Register("allreduce_large/float32/sum/p" + std::to_string(p),
+                 [p] { CheckAllreduce<D>(p, ReduceOp::kSum, kLarge, 1.0, 1.0, 4096); });
+      }
+    }
+  });
+}
+
+// Ring traffic: each rank sends 2(p-1)/p of the buffer, in messages no
+// larger than the segment rounded down to whole elements.
+KR_TEST(AllreduceSendsTwoPMinusOneOverPOfTheBufferInSegments) {
+  struct Case {
+    int p;
+    size_t count, segment_bytes, want_max_message;
+  };
+  for (const Case& c : {Case{4, 10007, 4096, 4096}, Case{3, 10000, 4097, 4096},
+                        Case{5, 13, 3, 8}, Case{2, 1, 1 << 20, 8}}) {
+    std::vector<std::vector<double>> buffers(c.p, std::vector<double>(c.count, 1.0));
+    InProcessStats stats;
+    RunRanks(
+        c.p,
+        [&](Transport& t) {
+          AllreduceOptions o;
+          o.buffer = buffers[t.rank()].data();
+          o.count = c.count;
+          o.dtype = DataType::kFloat64;
+          o.segment_bytes = c.segment_bytes;
+          keras_ring::RingAllreduce(t, o);
+        },
+        &stats);
+    KR_EXPECT_EQ(stats.bytes, 2 * (c.p - 1) * c.count * sizeof(double));
+    KR_EXPECT_EQ(stats.max_message_bytes, c.want_max_message);
+    KR_EXPECT(buffers[c.p - 1][c.count - 1] == c.p);
+  }
+}
+
+void CheckAllgather(const std::vector<size_t>& block_bytes, size_t segment_bytes, bool in_place) {
+  const int p = static_cast<int>(block_bytes.size());
+  std::vector<size_t> offsets(p + 1, 0);
+  for (int r = 0; r < p; ++r) offsets[r + 1] = offsets[r] + block_bytes[r];
+  std::vector<char> want(offsets[p]);
+  for (int r = 0; r < p; ++r) {
+    for (size_t i = 0; i < block_bytes[r]; ++i) want[offsets[r] + i] = static_cast<char>(Mix(r, i));
+  }
+  std::vector<std::vector<char>> inputs(p), outputs(p, std::vector<char>(offsets[p], '\xEE'));
+  for (int r = 0; r < p; ++r) {
+    inputs[r].assign(want.begin() + offsets[r], want.begin() + offsets[r + 1]);
+    if (in_place) std::copy(inputs[r].begin(), inputs[r].end(), outputs[r].begin() + offsets[r]);
+  }
+  InProcessStats stats;
+  RunRanks(
+      p,
+      [&](Transport& t) {
+        const int r = t.rank();
+        AllgatherOptions o;
+        o.input = in_place ? outputs[r].data() + offsets[r] : inputs[r].data();
+        o.output = outputs[r].data();
+        o.block_bytes = block_bytes;
+        o.segment_bytes = segment_bytes;
+        o.tag = 3;
+        keras_ring::RingAllgather(t, o);
+      },
+      &stats);
+  std::string context = "blocks";
+  for (size_t b : block_bytes) context += " " + std::to_string(b);
+  context += ", segment " + std::to_string(segment_bytes) + (in_place ? ", in place: " : ": ");
+  for (int r = 0; r < p; ++r) {
+    if (outputs[r] != want) KR_FAIL(context + "rank " + std::to_string(r) + " got wrong data");
+  }
+  KR_EXPECT_EQ(stats.bytes, (p - 1) * offsets[p]);
+  KR_EXPECT(stats.max_message_bytes <= segment_bytes);
+}
+
+KR_TEST_CASES(RegisterAllgatherTests) {
+  for (int p = 1; p <= 5; ++p) {
+    Register("allgather/p" + std::to_string(p), [p] {
+      std::vector<size_t> uniform(p, 1001), uneven(p), with_zeros(p), all_zero(p, 0), one_big(p, 5);
+      for (int r = 0; r < p; ++r) {
+        uneven[r] = (r * 37 + 5) % 23 * 7 + 1;
+        with_zeros[r] = r % 2 == 0 ? 0 : 13 * r;
+      }
+      one_big[p / 2] = (size_t(1) << 20) + 3;
+      for (bool in_place : {false, true}) {
+        CheckAllgather(uniform, 100, in_place);
+        CheckAllgather(uneven, 7, in_place);
+        CheckAllgather(with_zeros, 5, in_place);
+        CheckAllgather(all_zero, 4096, in_place);
+        CheckAllgather(one_big, 4096, in_place);
+      }
+    });
+  }
+}
+
+void CheckBroadcast(int p, int root, size_t bytes, size_t segment_bytes) {
+  std::vector<char> want(bytes);
+  for (size_t i = 0; i < bytes; ++i) want[i] = static_cast<char>(Mix(root, i));
+  std::vector<std::vector<char>> buffers(p, std::vector<char>(bytes, '\xEE'));
+  buffers[root] = want;
+  InProcessStats stats;
+  RunRanks(
+      p,
+      [&](Transport& t) {
+        BroadcastOptions o;
+        o.buffer = buffers[t.rank()].data();
+        o.bytes = bytes;
+        o.root = root;
+        o.segment_bytes = segment_bytes;
+        o.tag = 11;
+        keras_ring::Broadcast(t, o);
+      },
+      &stats);
+  for (int r = 0; r < p; ++r) {
+    if (buffers[r] != want) {
+      KR_FAIL("p=" + std::to_string(p) + " root=" + std::to_string(root) + " bytes=" +
+              std::to_string(bytes) + ": rank " + std::to_string(r) + " got wrong data");
+    }
+  }
+  // Every rank but the root receives the buffer exactly once.
+  KR_EXPECT_EQ(stats.bytes, (p - 1) * bytes);
+  KR_EXPECT(stats.max_message_bytes <= segment_bytes);
+}
+
+KR_TEST_CASES(RegisterBroadcastTests) {
+  // Up to 8 ranks: tree shapes with every depth up to 3.
+  for (int p = 1; p <= 8; ++p) {
+    Register("broadcast/p" + std::to_string(p), [p] {
+      for (int root = 0; root < p; ++root) {
+        CheckBroadcast(p, root, 0, 100);
+        CheckBroadcast(p, root, 1, 100);
+        CheckBroadcast(p, root, 1001, 100);
+        CheckBroadcast(p, root, (size_t(1) << 20) + 3, 4096);
+      }
+    });
+  }
+}
+
+KR_TEST(AlgorithmsRejectInvalidOptions) {
+  InProcessWorld world(2);
+  auto t = world.Connect(0);
+  float x[4] = {};
+
+  AllreduceOptions a;
+  a.count = 3;
+  KR_EXPECT_THROW(keras_ring::RingAllreduce(*t, a), EngineError, "3 elements has a null buffer");
+  a.buffer = x;
+  a.dtype = static_cast<DataType>(8);
+  KR_EXPECT_THROW(keras_ring::RingAllreduce(*t, a), EngineError, "dtype 8 is not a kr_dtype");
+  a.dtype = DataType::kFloat32;
+  a.op = static_cast<ReduceOp>(2);
+  KR_EXPECT_THROW(keras_ring::RingAllreduce(*t, a), EngineError, "op 2 is not a kr_reduce_op");
+  a.op = ReduceOp::kSum;
+  a.segment_bytes = 0;
+  KR_EXPECT_THROW(keras_ring::RingAllreduce(*t, a), EngineError, "segment_bytes");
+
+  AllgatherOptions g;
+  g.block_bytes = {4};
+  KR_EXPECT_THROW(keras_ring::RingAllgather(*t, g), EngineError, "expected 2, got 1");
+  g.block_bytes = {0, 4};
+  KR_EXPECT_THROW(keras_ring::RingAllgather(*t, g), EngineError, "4 bytes has a null output");
+  g.output = x;
+  g.block_bytes = {4, 4};
+  KR_EXPECT_THROW(keras_ring::RingAllgather(*t, g), EngineError, "4 bytes has a null input");
+
+  BroadcastOptions b;
+  b.buffer = x;
+  b.bytes = sizeof x;
+  b.root = 2;
+  KR_EXPECT_THROW(keras_ring::Broadcast(*t, b), EngineError, "root 2 is not a rank");
+  b.root = -1;
+  KR_EXPECT_THROW(keras_ring::Broadcast(*t, b), EngineError, "root -1 is not a rank");
+  b.root = 0;
+  b.buffer = nullptr;
+  KR_EXPECT_THROW(keras_ring::Broadcast(*t, b), EngineError, "16 bytes has a null buffer");
+}
+
+// A rank that never joins makes the others fail within the timeout, not hang.
+KR_TEST(MissingRankEndsInAnErrorNotAHang) {
+  InProcessWorld world(3, std::chrono::milliseconds(100));
+  std::vector<float> buffers[2] = {std::vector<float>(100, 1.0f), std::vector<float>(100, 2.0f)};
+  std::string errors[2];
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      AllreduceOptions o;
+      o.buffer = buffers[r].data();
+      o.count = buffers[r].size();
+      try {
+        keras_ring::RingAllreduce(*world.Connect(r), o);
+      } catch (const EngineError& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const std::string& e : errors) KR_EXPECT(e.find("waited 100 ms") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace kr_test

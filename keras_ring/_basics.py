@@ -1,0 +1,179 @@
+"""Process-level state: init, shutdown and where this process sits in the job.
+
+Everything here goes through the engine's NumPy binding (`keras_ring._engine`);
+nothing imports TensorFlow, so `import keras_ring` stays fast.
+"""
+
+import atexit
+import json
+import os
+import threading
+
+from keras_ring import _engine
+from keras_ring import _mpi_env
+
+_lock = threading.Lock()
+_topology = None
+_exit_hook_registered = False
+
+
+def build_info():
+    """Returns the facts recorded when the engine was built (MPI, launcher)."""
+    path = os.path.join(os.path.dirname(__file__), "_build_info.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def init(comm=None, process_sets=None):
+    """Starts keras-ring in this process: MPI (unless already started) and the engine.
+
+    A script started without a launcher is a job of size 1. Calling `init()`
+    again while initialised does nothing; after `shutdown()` it starts again.
+
+    Args:
+        comm: Reserved for an mpi4py communicator or a list of world ranks,
+            as in Horovod. Only `None` (the whole job) is supported so far.
+        process_sets: Reserved for Horovod's process sets. Only `None` is
+            supported so far.
+
+    Raises:
+        ValueError: if `comm` or `process_sets` is given.
+        RuntimeError: if the job was started by a different MPI than the one
+            keras-ring was built against, or MPI cannot start.
+
+    Example:
+
+    >>> import keras_ring as kr
+    >>> kr.init()
+    >>> kr.rank(), kr.size()
+    (0, 1)
+    """
+    global _topology, _exit_hook_registered
+    if comm is not None:
+        raise ValueError(
+            "keras-ring: init(comm=...) is not supported yet; keras-ring uses the whole "
+            f"MPI job. Received: comm={comm!r}"
+        )
+    if process_sets is not None:
+        raise ValueError(
+            "keras-ring: process sets are not supported yet. "
+            f"Received: process_sets={process_sets!r}"
+        )
+    with _lock:
+        if _topology is not None:
+            return
+        info = build_info()
+        _mpi_env.check_launcher_environment(info)
+        _engine.init()
+        topology = _engine.topology()
+        expected = _mpi_env.expected_world_size()
+        if expected is not None and expected != topology["size"]:
+            _engine.shutdown()
+            raise RuntimeError(
+                f"keras-ring: the launcher started {expected} processes but MPI reports a job "
+                f"of size {topology['size']}: the processes did not join one job, so each "
+                f"would run as rank 0 of its own. keras-ring was built against "
+                f"{info.get('mpi_vendor', 'an unknown MPI')} ({info.get('mpicxx')}); start the "
+                "job with keras-ring-run or with that MPI's own mpiexec."
+            )
+        _topology = topology
+        if not _exit_hook_registered:
+            atexit.register(_at_exit)
+            _exit_hook_registered = True
+
+
+def shutdown():
+    """Stops the engine. Collective: returns once every rank has called it.
+
+    Operations still pending fail with an error. `init()` may be called again.
+    """
+    global _topology
+    with _lock:
+        _engine.shutdown()
+        _topology = None
+
+
+def _at_exit():
+    # MPI_Finalize is collective and must run in the thread that started MPI:
+    # the main thread, at interpreter exit.
+    shutdown()
+    _engine.finalize()
+
+
+def is_initialized():
+    """Returns True between `init()` and `shutdown()`."""
+    return _topology is not None
+
+
+def _require_initialized(what):
+    if _topology is None:
+        raise ValueError(
+            f"keras-ring: {what} needs keras_ring.init() to have been called first "
+            "(and not shut down since)."
+        )
+    return _topology
+
+
+def rank():
+    """Returns this process's rank in the job, 0 to `size() - 1`."""
+    return _require_initialized("rank()")["rank"]
+
+
+def size():
+    """Returns the number of processes in the job."""
+    return _require_initialized("size()")["size"]
+
+
+def local_rank():
+    """Returns this process's rank among the processes on its host."""
+    return _require_initialized("local_rank()")["local_rank"]
+
+
+def local_size():
+    """Returns the number of processes on this process's host."""
+    return _require_initialized("local_size()")["local_size"]
+
+
+def cross_rank():
+    """Returns the index of this process's host among hosts (ranks of equal `local_rank`)."""
+    return _require_initialized("cross_rank()")["cross_rank"]
+
+
+def cross_size():
+    """Returns the number of hosts that have a process with this `local_rank`."""
+    return _require_initialized("cross_size()")["cross_size"]
+
+
+def is_homogeneous():
+    """Returns True if every host runs the same number of processes."""
+    return _require_initialized("is_homogeneous()")["is_homogeneous"]
+
+
+def mpi_threads_supported():
+    """Returns True if MPI runs with MPI_THREAD_MULTIPLE."""
+    return _require_initialized("mpi_threads_supported()")["mpi_threads_supported"]
+
+
+def mpi_built():
+    """Returns True: keras-ring is always built with MPI."""
+    return True
+
+
+def mpi_enabled():
+    """Returns True if MPI carries this job (always, once initialised)."""
+    return _require_initialized("mpi_enabled()") is not None
+
+
+def nccl_built():
+    """Returns False: GPU collectives through NCCL are not built yet."""
+    return False
+
+
+def cuda_built():
+    """Returns False: CUDA kernels are not built yet."""
+    return False
+
+
+def mpi_library_version():
+    """Returns the MPI library's own version string."""
+    return _engine.mpi_library_version()

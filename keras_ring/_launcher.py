@@ -1,0 +1,422 @@
+"""`keras-ring-run`: starts a job under the MPI launcher keras-ring was built with.
+
+```
+keras-ring-run -np 4 python train.py
+keras-ring-run -np 8 -H node1:4,node2:4 --prefix-output python train.py
+```
+
+The launcher comes from the build info (`_build_info.json`): the `mpiexec` of
+the PyPI `mpich` package in this environment, or the system MPI's launcher
+recorded at build time. A one-host job keeps every listening socket on the
+loopback interface; with the PyPI `mpich` it runs under MPICH's forker
+(`mpiexec.gforker`), which talks to the ranks over socket pairs, because
+Hydra's `mpiexec` always listens on all interfaces.
+
+This module imports neither TensorFlow nor the engine, so it starts fast.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+USAGE_ERROR = 2
+REBUILD_HINT = (
+    "rebuild keras-ring against the MPI you launch with: "
+    "`KERAS_RING_MPICXX=/path/to/its/mpicxx pip install --force-reinstall --no-cache-dir "
+    "keras-ring`"
+)
+
+_BUILD_INFO_PATH = Path(__file__).with_name("_build_info.json")
+# A source tree that was never built has no build info: it uses the PyPI mpich.
+_DEFAULT_BUILD_INFO = {
+    "mpi_source": "pypi-mpich",
+    "mpicxx": None,
+    "mpi_vendor": "MPICH",
+    "mpi_library_version": "",
+    "mpiexec": None,
+}
+# One-host jobs: the MPI library's own network endpoints (UCX and libfabric
+# netmods for MPICH and Intel MPI; TCP BTL and OOB for Open MPI) listen on
+# loopback only. Values the user already set are kept.
+_MPICH_LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo", "FI_SOCKETS_IFACE": "lo"}
+_OPEN_MPI_LOOPBACK_ENV = {
+    "UCX_NET_DEVICES": "lo",
+    "OMPI_MCA_btl_tcp_if_include": "lo",
+    "OMPI_MCA_oob_tcp_if_include": "lo",
+    "PRTE_MCA_oob_tcp_if_include": "lo",
+}
+# Variables Open MPI must not copy to other hosts (`-x`): they describe this shell.
+_LOCAL_ONLY_ENV = frozenset(["_", "PWD", "OLDPWD", "SHLVL", "HOSTNAME", "HOME"])
+# Signals passed on to the launcher. Hydra and the forker stop their ranks on
+# SIGINT and SIGTERM but die of SIGHUP and leave them running: send SIGTERM.
+_FORWARDED_SIGNALS = {
+    signal.SIGINT: signal.SIGINT,
+    signal.SIGTERM: signal.SIGTERM,
+    signal.SIGHUP: signal.SIGTERM,
+}
+# MPICH's forker exits 0 when ranks die of a signal, and reports them on stderr.
+_FORKER_SIGNALED = re.compile(rb"\[\d+\]\d+:Return code = -?\d+, signaled with ([^\n]+)")
+_SIGNALS_BY_DESCRIPTION = {
+    signal.strsignal(s).encode(): s for s in signal.Signals if signal.strsignal(s)
+}
+
+
+class LaunchError(Exception):
+    """A problem `keras-ring-run` explains in one paragraph before exiting with 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """The MPI launcher a job starts with.
+
+    Args:
+        path: The `mpiexec` (or `mpirun`) of the MPI keras-ring was built with.
+        vendor: `"MPICH"`, `"Open MPI"`, `"Intel MPI"` or `"unknown"`.
+        forker: MPICH's `mpiexec.gforker` beside `path`, or `None`.
+    """
+
+    path: str
+    vendor: str
+    forker: str = None
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise LaunchError(f"{message}\n{self.format_usage()}")
+
+
+def read_build_info():
+    """Returns the MPI facts recorded when keras-ring was built.
+
+    Returns:
+        A dict with `mpi_source` (`"pypi-mpich"` or `"system"`), `mpicxx`,
+        `mpi_vendor` (`"MPICH"`, `"Open MPI"`, `"Intel MPI"` or `"unknown"`),
+        `mpi_library_version` and `mpiexec` (the system launcher's path, or
+        `None` for the PyPI `mpich`). Without a build info file (a source tree
+        that was never built) the PyPI `mpich` is assumed.
+    """
+    try:
+        text = _BUILD_INFO_PATH.read_text()
+    except FileNotFoundError:
+        return dict(_DEFAULT_BUILD_INFO)
+    return {**_DEFAULT_BUILD_INFO, **json.loads(text)}
+
+
+def default_mpiexec(build_info):
+    """Returns the path of the `mpiexec` that matches the build.
+
+    Args:
+        build_info: The dict from `read_build_info()`.
+
+    Returns:
+        For the PyPI `mpich`, its `mpiexec` in this environment's scripts
+        folder (or the user scripts folder, after `pip install --user`);
+        otherwise the launcher recorded at build time.
+    """
+    if build_info["mpi_source"] != "pypi-mpich":
+        return build_info["mpiexec"]
+    candidates = [
+        os.path.join(sysconfig.get_path("scripts", scheme), "mpiexec")
+        for scheme in (sysconfig.get_default_scheme(), f"{os.name}_user")
+    ]
+    return next((path for path in candidates if os.access(path, os.X_OK)), candidates[0])
+
+
+def locate_launcher(build_info):
+    """Finds the launcher of the build and checks that it is that MPI's.
+
+    Args:
+        build_info: The dict from `read_build_info()`.
+
+    Returns:
+        A `Launcher`.
+
+    Raises:
+        LaunchError: if the launcher is missing, cannot run, or belongs to
+            another MPI than the one keras-ring was built against.
+    """
+    path = default_mpiexec(build_info)
+    built = build_info["mpi_vendor"]
+    if not path or not os.access(path, os.X_OK):
+        if build_info["mpi_source"] == "pypi-mpich":
+            raise LaunchError(
+                f"cannot find the MPI launcher {path}. keras-ring was built against the MPICH "
+                "of the PyPI `mpich` package, whose `mpiexec` belongs in the same environment "
+                f"as keras-ring; install it again with `{sys.executable} -m pip install mpich`, "
+                f"or {REBUILD_HINT}."
+            )
+        raise LaunchError(
+            f"cannot find the MPI launcher {path!r} of the {built} that keras-ring was built "
+            f"against (mpicxx: {build_info['mpicxx']}). If that MPI was removed or moved, "
+            f"reinstall it, or {REBUILD_HINT}."
+        )
+    vendor = launcher_vendor(path)
+    if "unknown" not in (built, vendor) and vendor != built:
+        raise LaunchError(
+            f"{path} is the launcher of {vendor}, but keras-ring was built against {built} "
+            f"(mpicxx: {build_info['mpicxx'] or 'from the PyPI mpich package'}). Processes "
+            "started by another MPI's launcher do not join one job: each would run alone as "
+            f"rank 0. Restore {built}'s launcher at {path}, or {REBUILD_HINT}."
+        )
+    vendor = built if vendor == "unknown" else vendor
+    forker = os.path.join(os.path.dirname(path), "mpiexec.gforker")
+    has_forker = vendor == "MPICH" and os.access(forker, os.X_OK)
+    return Launcher(path, vendor, forker if has_forker else None)
+
+
+def launcher_vendor(path):
+    """Tells which MPI a launcher belongs to from its `--version` output.
+
+    Args:
+        path: The launcher to ask.
+
+    Returns:
+        `"MPICH"` (Hydra), `"Open MPI"`, `"Intel MPI"` or `"unknown"`.
+
+    Raises:
+        LaunchError: if the launcher cannot run or does not answer in 30 s.
+    """
+    try:
+        result = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, errors="replace", timeout=30
+        )
+    except OSError as e:
+        raise LaunchError(f"cannot run the MPI launcher {path}: {e.strerror}.") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(
+            f"the MPI launcher {path} did not answer `--version` within 30 s."
+        ) from None
+    text = result.stdout + result.stderr
+    if "Intel(R) MPI" in text:
+        return "Intel MPI"
+    if "Open MPI" in text:
+        return "Open MPI"
+    if "HYDRA" in text or "MPICH" in text:
+        return "MPICH"
+    return "unknown"
+
+
+def parse_args(argv):
+    """Parses the `keras-ring-run` command line.
+
+    Args:
+        argv: The arguments after the program name.
+
+    Returns:
+        An `argparse.Namespace` with `np`, `hosts` (a list of `(host, slots)`
+        or `None`), `hostfile`, `prefix_output`, `verbose` and `command`.
+
+    Raises:
+        LaunchError: on a missing or invalid argument.
+    """
+    parser = _ArgumentParser(
+        prog="keras-ring-run",
+        description="Runs COMMAND as NP ranks of one keras-ring job, under the MPI launcher "
+        "keras-ring was built with.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("-np", type=int, required=True, help="number of ranks")
+    parser.add_argument(
+        "-H", dest="hosts", metavar="HOST:SLOTS,...", help="hosts and their slots, e.g. a:4,b:4"
+    )
+    parser.add_argument(
+        "--hostfile", metavar="FILE", help="host file, in the syntax of the MPI's own launcher"
+    )
+    parser.add_argument(
+        "--prefix-output", action="store_true", help="prefix every output line with its rank"
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="print the launcher command before running it"
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command of every rank")
+    options = parser.parse_args(argv)
+    if options.command[:1] == ["--"]:
+        options.command = options.command[1:]
+    if options.np < 1:
+        parser.error(f"-np must be at least 1. Received: -np={options.np}")
+    if not options.command:
+        parser.error("no command to run, e.g. `keras-ring-run -np 2 python train.py`.")
+    if options.hosts is not None and options.hostfile is not None:
+        parser.error("give -H or --hostfile, not both.")
+    if options.hosts is not None:
+        options.hosts = _parse_hosts(options.hosts, parser)
+    return options
+
+
+def _parse_hosts(spec, parser):
+    hosts = []
+    for item in spec.split(","):
+        host, _, slots = item.partition(":")
+        if not host or (slots and not (slots.isdigit() and int(slots) > 0)):
+            parser.error(
+                f"-H takes host:slots pairs separated by commas, e.g. node1:4,node2:4. "
+                f"Received: -H={spec}"
+            )
+        hosts.append((host, int(slots or 1)))
+    return hosts
+
+
+def is_local_job(options):
+    """Returns whether a job runs on this host only (no host file, only local -H hosts)."""
+    if options.hostfile is not None:
+        return False
+    hostname = socket.gethostname()
+    local_names = {"localhost", "127.0.0.1", hostname, hostname.split(".")[0]}
+    return all(host in local_names for host, _ in options.hosts or [])
+
+
+def launcher_command(launcher, options, env):
+    """Returns the command line that starts the job.
+
+    Args:
+        launcher: A `Launcher`.
+        options: The namespace from `parse_args()`.
+        env: The environment of the job (Open MPI copies it to other hosts
+            with `-x NAME`).
+
+    Returns:
+        The launcher's argv, ending with `options.command`.
+    """
+    np = str(options.np)
+    local = is_local_job(options)
+    hosts = ",".join(f"{host}:{slots}" for host, slots in options.hosts or [])
+    if launcher.vendor == "Open MPI":
+        argv = [launcher.path, "-np", np]
+        if options.prefix_output:
+            argv.append("--tag-output")
+        if options.hostfile is not None:
+            argv += ["--hostfile", options.hostfile]
+        elif not local:
+            argv += ["-H", hosts]
+        if not local:
+            for name in sorted(env):
+                if name not in _LOCAL_ONLY_ENV and re.fullmatch(r"[A-Za-z_]\w*", name):
+                    argv += ["-x", name]
+        return argv + options.command
+    if local and launcher.forker:
+        argv = [launcher.forker, "-n", np]
+        if options.prefix_output:
+            argv.append("-l")
+        return argv + options.command
+    argv = [launcher.path]
+    if options.hostfile is not None:
+        argv += ["-f", options.hostfile]
+    elif local:
+        argv += ["-hosts", "localhost", "-iface", "lo"]
+    else:
+        argv += ["-hosts", hosts]
+    if options.prefix_output:
+        argv.append("-prepend-rank")
+    return argv + ["-np", np] + options.command
+
+
+def launcher_env(launcher, options, environ):
+    """Returns the environment of the job.
+
+    Args:
+        launcher: A `Launcher`.
+        options: The namespace from `parse_args()`.
+        environ: The environment to pass through, usually `os.environ`.
+
+    Returns:
+        `environ` with `PYTHONUNBUFFERED=1` and, for a one-host job, the
+        settings that keep the MPI library's sockets on loopback.
+    """
+    env = dict(environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if is_local_job(options):
+        loopback = _OPEN_MPI_LOOPBACK_ENV if launcher.vendor == "Open MPI" else _MPICH_LOOPBACK_ENV
+        for name, value in loopback.items():
+            # Open MPI refuses an include list next to the user's exclude list.
+            if name.replace("_include", "_exclude") not in env:
+                env.setdefault(name, value)
+    return env
+
+
+def run_job(argv, env, forker=False):
+    """Runs the launcher until the job ends, passing on SIGINT, SIGTERM and SIGHUP.
+
+    Args:
+        argv: The launcher command line.
+        env: The environment of the job.
+        forker: Whether the launcher is MPICH's forker, whose stderr is
+            relayed to find ranks killed by a signal.
+
+    Returns:
+        The job's exit code: the launcher's, or 128 + N when the launcher,
+        or (under the forker) a rank, died of signal N.
+    """
+    child = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE if forker else None)
+
+    def forward(signum, frame):
+        child.send_signal(_FORWARDED_SIGNALS[signum])
+
+    previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED_SIGNALS}
+    try:
+        rank_signal = _relay_forker_stderr(child.stderr) if forker else None
+        returncode = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if returncode < 0:
+        return 128 - returncode
+    if returncode == 0 and rank_signal is not None:
+        return 128 + rank_signal
+    return returncode
+
+
+def _relay_forker_stderr(stream):
+    """Copies the forker's stderr to ours; returns the signal that killed a rank, if any."""
+    rank_signal = None
+    partial_line = b""
+    while chunk := os.read(stream.fileno(), 65536):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.buffer.flush()
+        *lines, partial_line = (partial_line + chunk).split(b"\n")
+        partial_line = partial_line[-4096:]
+        for line in lines:
+            match = _FORKER_SIGNALED.search(line)
+            if match and rank_signal is None:
+                # The forker describes signals with strsignal(), as Python does; a
+                # description we do not know still has to fail the job.
+                rank_signal = _SIGNALS_BY_DESCRIPTION.get(match[1].strip(), signal.SIGKILL)
+    return rank_signal
+
+
+def main(argv=None):
+    """Runs `keras-ring-run`.
+
+    Args:
+        argv: The arguments after the program name; `sys.argv[1:]` by default.
+
+    Returns:
+        The job's exit code, or 2 when the command line or the MPI
+        installation is wrong (explained on stderr).
+
+    Example:
+
+    ```
+    keras-ring-run -np 2 --prefix-output python -c "import os; print(os.environ['PMI_RANK'])"
+    ```
+    """
+    try:
+        options = parse_args(sys.argv[1:] if argv is None else argv)
+        launcher = locate_launcher(read_build_info())
+    except LaunchError as e:
+        print(f"keras-ring-run: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    env = launcher_env(launcher, options, os.environ)
+    argv = launcher_command(launcher, options, env)
+    if options.verbose:
+        changed = [f"{name}={value}" for name, value in env.items() if os.environ.get(name) != value]
+        print(f"keras-ring-run: {shlex.join(changed + argv)}", file=sys.stderr, flush=True)
+    return run_job(argv, env, forker=argv[0] == launcher.forker)

@@ -1,0 +1,401 @@
+"""Collective ops on TensorFlow tensors, mirroring `horovod.tensorflow`.
+
+Ranks match collectives by name, so independent collectives may run in a
+different order on each rank. Without a `name`, a collective inside a
+`tf.function` is named after its graph node, which is the same on every rank
+that traced the same function; eager collectives run one at a time, so they
+may share a name.
+"""
+
+import numbers
+import warnings
+
+import tensorflow as tf
+
+from keras_ring import _basics, _tf_build
+
+# Numbering as horovod's (2 was Adasum, which keras-ring does not offer).
+Average = 0
+Sum = 1
+Min = 3
+Max = 4
+Product = 5
+
+_REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product"}
+# The reductions that are linear: differentiable, and computable on
+# tf.IndexedSlices by gathering.
+_LINEAR_OPS = (Average, Sum)
+_SUPPORTED_DTYPES = (
+    tf.float16,
+    tf.bfloat16,
+    tf.float32,
+    tf.float64,
+    tf.int8,
+    tf.uint8,
+    tf.int32,
+    tf.int64,
+)
+
+
+def _reduce_op(op, average):
+    if average is not None:
+        if op is not None:
+            raise ValueError(
+                "Pass either `op` or the deprecated `average`, not both. "
+                f"Received: op={op!r}, average={average!r}"
+            )
+        warnings.warn(
+            "The `average` argument is deprecated; pass op=keras_ring.Average "
+            "or op=keras_ring.Sum instead.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return Average if average else Sum
+    if op is None:
+        return Average
+    if isinstance(op, bool) or not isinstance(op, numbers.Integral) or op not in _REDUCE_OP_NAMES:
+        raise ValueError(
+            f"`op` must be one of keras_ring.Average, Sum, Min, Max or Product. Received: op={op!r}"
+        )
+    return int(op)
+
+
+def _scale_factor(arg, value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{arg}` must be a number. Received: {arg}={value!r}") from None
+
+
+def _reduce_args(op, average, compression, prescale_factor, postscale_factor):
+    if compression is not None:
+        raise ValueError(
+            "keras-ring does not support compression yet; pass compression=None. "
+            f"Received: compression={compression!r}"
+        )
+    return (
+        _reduce_op(op, average),
+        _scale_factor("prescale_factor", prescale_factor),
+        _scale_factor("postscale_factor", postscale_factor),
+    )
+
+
+def _tensor_name(name, ignore_name_scope):
+    # "" lets the kernel use its node name.
+    if name is None:
+        return ""
+    if not isinstance(name, str):
+        raise TypeError(f"`name` must be a string or None. Received: name={name!r}")
+    scope = "" if ignore_name_scope else tf.get_current_name_scope()
+    return f"{scope}/{name}" if scope else name
+
+
+def _to_tensor(tensor, api):
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.dtype not in _SUPPORTED_DTYPES:
+        supported = ", ".join(d.name for d in _SUPPORTED_DTYPES)
+        raise TypeError(
+            f"keras_ring.{api} does not support dtype {tensor.dtype.name}; it "
+            f"supports {supported}. Received: tensor with dtype={tensor.dtype.name}"
+        )
+    return tensor
+
+
+def _library():
+    return _tf_build.load()
+
+
+def _allgather(tensor, tensor_name):
+    return _library().keras_ring_allgather(_to_tensor(tensor, "allgather"), tensor_name=tensor_name)
+
+
+def _allreduce_indexed_slices(slices, op, scale, tensor_name):
+    # Ranks hold different indices, so the rows are gathered, not reduced;
+    # summing duplicate indices is left to whoever applies the slices.
+    if op not in _LINEAR_OPS:
+        raise ValueError(
+            "For tf.IndexedSlices (sparse gradients) keras-ring supports only "
+            "op=keras_ring.Average or op=keras_ring.Sum. "
+            f"Received: op={_REDUCE_OP_NAMES[op]}"
+        )
+    values = _allgather(slices.values, tensor_name and f"{tensor_name}.values")
+    indices = _allgather(slices.indices, tensor_name and f"{tensor_name}.indices")
+    if op == Average:
+        scale /= _basics.size()
+    if scale != 1.0:
+        # In float64 and truncated for integers, as the dense kernels scale.
+        values = tf.cast(tf.cast(values, tf.float64) * scale, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def allreduce(
+    tensor,
+    average=None,
+    device_dense="",
+    device_sparse="",
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    name=None,
+    ignore_name_scope=False,
+):
+    """Reduces a tensor over all ranks; every rank receives the result.
+
+    The tensor must have the same shape and dtype on every rank. A
+    `tf.IndexedSlices` is gathered instead (values and indices of all ranks,
+    values divided by the number of ranks for `Average`).
+
+    Args:
+        tensor: The tensor (or `tf.IndexedSlices`) to reduce.
+        average: Deprecated; `True` means `op=Average`, `False` `op=Sum`.
+        device_dense: Device on which to reduce dense tensors.
+        device_sparse: Device on which to gather `tf.IndexedSlices`.
+        compression: Must be `None`; compression is not supported yet.
+        op: `keras_ring.Average` (the default), `Sum`, `Min`, `Max` or
+            `Product`.
+        prescale_factor: Multiplies each rank's input before the reduction.
+        postscale_factor: Multiplies the result after the reduction.
+        name: The name that matches this collective across ranks, prefixed
+            by the current name scope. By default, the graph node's name.
+        ignore_name_scope: If `True`, `name` is used without the name scope.
+
+    Returns:
+        A tensor of the same shape and dtype (or a `tf.IndexedSlices`).
+
+    Raises:
+        ValueError: If keras-ring is not initialized or an argument is
+            invalid.
+        TypeError: If the dtype is not supported.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> keras_ring.allreduce(tf.constant([1.0, 2.0]), op=keras_ring.Sum)
+    """
+    _basics._require_initialized("allreduce()")
+    op, prescale_factor, postscale_factor = _reduce_args(
+        op, average, compression, prescale_factor, postscale_factor
+    )
+    tensor_name = _tensor_name(name, ignore_name_scope)
+    if isinstance(tensor, tf.IndexedSlices):
+        with tf.device(device_sparse):
+            return _allreduce_indexed_slices(
+                tensor, op, prescale_factor * postscale_factor, tensor_name
+            )
+    with tf.device(device_dense):
+        return _library().keras_ring_allreduce(
+            _to_tensor(tensor, "allreduce"),
+            reduce_op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            tensor_name=tensor_name,
+        )
+
+
+def grouped_allreduce(
+    tensors,
+    average=None,
+    device_dense="",
+    device_sparse="",
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    name=None,
+    ignore_name_scope=False,
+):
+    """Reduces a list of tensors over all ranks as one operation.
+
+    The tensors may have different dtypes; each must agree in shape and dtype
+    with its counterpart on the other ranks. Dense tensors are submitted
+    together, so the engine can fuse them; `tf.IndexedSlices` are gathered
+    as in `allreduce`.
+
+    Args:
+        tensors: A list of tensors (or `tf.IndexedSlices`).
+        average: Deprecated; `True` means `op=Average`, `False` `op=Sum`.
+        device_dense: Device on which to reduce dense tensors.
+        device_sparse: Device on which to gather `tf.IndexedSlices`.
+        compression: Must be `None`; compression is not supported yet.
+        op: `keras_ring.Average` (the default), `Sum`, `Min`, `Max` or
+            `Product`.
+        prescale_factor: Multiplies each rank's inputs before the reduction.
+        postscale_factor: Multiplies the results after the reduction.
+        name: The name that matches this group across ranks, prefixed by the
+            current name scope; tensor `i` is matched as `<name>.<i>`. By
+            default, the graph node's name.
+        ignore_name_scope: If `True`, `name` is used without the name scope.
+
+    Returns:
+        A list of the reduced tensors, in the order of `tensors`.
+
+    Raises:
+        ValueError: If keras-ring is not initialized or an argument is
+            invalid.
+        TypeError: If a dtype is not supported.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> keras_ring.grouped_allreduce([tf.ones([2]), tf.ones([3], tf.int32)])
+    """
+    _basics._require_initialized("grouped_allreduce()")
+    op, prescale_factor, postscale_factor = _reduce_args(
+        op, average, compression, prescale_factor, postscale_factor
+    )
+    tensor_name = _tensor_name(name, ignore_name_scope)
+    tensors = list(tensors)
+    results = [None] * len(tensors)
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    with tf.device(device_dense):
+        # Converted before any collective starts, so a bad dtype fails alone.
+        dense_inputs = [_to_tensor(tensors[i], "grouped_allreduce") for i in dense]
+    with tf.device(device_sparse):
+        for i in sparse:
+            # `.values`/`.indices` suffixes keep these apart from `<name>.<k>`.
+            results[i] = _allreduce_indexed_slices(
+                tensors[i],
+                op,
+                prescale_factor * postscale_factor,
+                tensor_name and f"{tensor_name}.{i}",
+            )
+    if dense:
+        with tf.device(device_dense):
+            outputs = _library().keras_ring_grouped_allreduce(
+                dense_inputs,
+                reduce_op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+                tensor_name=tensor_name,
+            )
+        for i, output in zip(dense, outputs):
+            results[i] = output
+    return results
+
+
+def allgather(tensor, name=None, ignore_name_scope=False):
+    """Concatenates the tensors of all ranks along the first dimension.
+
+    The first dimension may differ between ranks (and be 0); the other
+    dimensions and the dtype must agree.
+
+    Args:
+        tensor: A tensor of rank 1 or more.
+        name: The name that matches this collective across ranks, prefixed
+            by the current name scope. By default, the graph node's name.
+        ignore_name_scope: If `True`, `name` is used without the name scope.
+
+    Returns:
+        A tensor holding every rank's rows, in rank order.
+
+    Raises:
+        ValueError: If keras-ring is not initialized or an argument is
+            invalid.
+        TypeError: If the dtype is not supported.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> keras_ring.allgather(tf.fill([keras_ring.rank() + 1], keras_ring.rank()))
+    """
+    _basics._require_initialized("allgather()")
+    return _allgather(tensor, _tensor_name(name, ignore_name_scope))
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
+    """Copies the tensor of `root_rank` to every rank.
+
+    Args:
+        tensor: The value to send on the root; elsewhere only its shape and
+            dtype matter, and they must agree with the root's.
+        root_rank: The rank whose tensor is broadcast.
+        name: The name that matches this collective across ranks, prefixed
+            by the current name scope. By default, the graph node's name.
+        ignore_name_scope: If `True`, `name` is used without the name scope.
+
+    Returns:
+        The root's tensor.
+
+    Raises:
+        ValueError: If keras-ring is not initialized or `root_rank` is not a
+            rank.
+        TypeError: If the dtype is not supported.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> keras_ring.broadcast(tf.random.normal([3]), root_rank=0)
+    """
+    _basics._require_initialized("broadcast()")
+    size = _basics.size()
+    if (
+        isinstance(root_rank, bool)
+        or not isinstance(root_rank, numbers.Integral)
+        or not 0 <= root_rank < size
+    ):
+        raise ValueError(
+            f"`root_rank` must be a rank, an integer in [0, {size}). "
+            f"Received: root_rank={root_rank!r}"
+        )
+    return _library().keras_ring_broadcast(
+        _to_tensor(tensor, "broadcast"),
+        root_rank=int(root_rank),
+        tensor_name=_tensor_name(name, ignore_name_scope),
+    )
+
+
+def _gradient_reduction(op, api):
+    reduce_op = op.get_attr("reduce_op")
+    if reduce_op not in _LINEAR_OPS:
+        raise LookupError(
+            f"No gradient is defined for keras_ring.{api} with "
+            f"op={_REDUCE_OP_NAMES.get(reduce_op, reduce_op)}; only Sum and "
+            "Average are differentiable."
+        )
+    return {
+        "op": reduce_op,
+        "prescale_factor": op.get_attr("prescale_factor"),
+        "postscale_factor": op.get_attr("postscale_factor"),
+    }
+
+
+@tf.RegisterGradient("KerasRingAllreduce")
+def _allreduce_grad(op, grad):
+    # Every rank's loss depends on every rank's input through the same
+    # linear map, so the gradient is the same reduction of the gradients.
+    return allreduce(grad, **_gradient_reduction(op, "allreduce"))
+
+
+@tf.RegisterGradient("KerasRingGroupedAllreduce")
+def _grouped_allreduce_grad(op, *grads):
+    # Outputs without a gradient (integers) depend only on dtypes, which
+    # agree across ranks, so every rank reduces the same subset.
+    present = [i for i, g in enumerate(grads) if g is not None]
+    reduced = grouped_allreduce(
+        [grads[i] for i in present], **_gradient_reduction(op, "grouped_allreduce")
+    )
+    results = [None] * len(grads)
+    for i, g in zip(present, reduced):
+        results[i] = g
+    return results
+
+
+@tf.RegisterGradient("KerasRingAllgather")
+def _allgather_grad(op, grad):
+    # This rank's rows feed every rank's loss: sum the gradients of all
+    # ranks, then keep this rank's rows.
+    grad = allreduce(tf.convert_to_tensor(grad), op=Sum)
+    rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
+    offset = tf.reduce_sum(allgather(rows)[: _basics.rank()])
+    return grad[offset : offset + rows[0]]
+
+
+@tf.RegisterGradient("KerasRingBroadcast")
+def _broadcast_grad(op, grad):
+    # Only the root's input reaches the outputs (horovod's definition).
+    reduced = allreduce(tf.convert_to_tensor(grad), op=Sum)
+    if _basics.rank() == op.get_attr("root_rank"):
+        return reduced
+    return tf.zeros_like(reduced)

@@ -1,0 +1,8 @@
+"""`python -m keras_ring.run`: the `keras-ring-run` command, for environments without it."""
+
+import sys
+
+from keras_ring._launcher import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Multi-rank checks of the engine through its NumPy binding (no TensorFlow).
+
+Run under the launcher with 2 or 3 ranks; exits non-zero on the first
+mismatch. Every collective x dtype x reduce op is compared with a NumPy
+reference computed from all ranks' inputs, which every rank can regenerate
+because the inputs are seeded by rank.
+"""
+
+import os
+import random
+import sys
+
+import numpy as np
+
+import keras_ring as kr
+from keras_ring import _engine
+
+try:
+    from ml_dtypes import bfloat16
+except ImportError:  # ml_dtypes comes with TensorFlow
+    bfloat16 = None
+
+OPS = {"Average": 0, "Sum": 1, "Min": 3, "Max": 4, "Product": 5}
+DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64]
+if bfloat16 is not None:
+    DTYPES.insert(1, bfloat16)
+SIZES = [0, 1, 7, 1001]
+BIG = 4 * 1024 * 1024 + 3  # ~16 MiB of float32, not divisible by 2 or 3
+
+
+def data(rank, n, dtype, op, seed):
+    """Integer-valued inputs, so that Sum/Min/Max/Product are exact in every dtype."""
+    rng = np.random.default_rng([seed, rank, n])
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=n, endpoint=True).astype(dtype)
+    lo, hi = (-4, 4) if op == "Product" else (-8, 8)
+    return rng.integers(lo, hi, size=n, endpoint=True).astype(np.float64).astype(dtype)
+
+
+def reference(inputs, dtype, op, pre, post):
+    size = len(inputs)
+    is_int = np.issubdtype(np.dtype(dtype), np.integer)
+
+    def scale(x, f):
+        if f == 1.0:
+            return x
+        if is_int:
+            return np.trunc(x.astype(np.float64) * f).astype(dtype)
+        return (x.astype(np.float64) * f).astype(dtype)
+
+    xs = [scale(x, pre) for x in inputs]
+    if op in ("Sum", "Average"):
+        # Integer sums wrap: accumulate in int64 and cast back, as NumPy would.
+        acc = np.sum([x.astype(np.int64 if is_int else np.float64) for x in xs], axis=0)
+        out = acc.astype(dtype)
+        if op == "Average":
+            post = post / size
+    elif op == "Product":
+        acc = xs[0].astype(np.int64 if is_int else np.float64)
+        for x in xs[1:]:
+            acc = acc * x.astype(acc.dtype)
+        out = acc.astype(dtype)
+    else:
+        out = (np.minimum if op == "Min" else np.maximum).reduce(np.stack(xs))
+    return scale(out, post)
+
+
+def check(name, got, want, exact):
+    got64 = np.asarray(got).astype(np.float64)
+    want64 = np.asarray(want).astype(np.float64)
+    if got64.shape != want64.shape:
+        fail(f"{name}: shape {got64.shape} != expected {want64.shape}")
+    if exact:
+        ok = np.array_equal(got64, want64)
+    else:
+        ok = np.allclose(got64, want64, rtol=2e-2, atol=1e-2)
+    if not ok:
+        bad = np.flatnonzero(~np.isclose(got64, want64, rtol=2e-2, atol=1e-2) if not exact
+                             else got64 != want64)
+        i = bad[0]
+        fail(f"{name}: {bad.size} elements differ; first at {i}: got {got64.flat[i]}, "
+             f"expected {want64.flat[i]}")
+
+
+def fail(message):
+    print(f"rank {kr.rank()}: FAIL {message}", flush=True)
+    sys.exit(1)
+
+
+def submit(collective, array, name, **kw):
+    return _engine.submit(collective, array, name, **kw)
+
+
+def test_allreduce(rank, size):
+    for dtype in DTYPES:
+        is_int = np.issubdtype(np.dtype(dtype), np.integer)
+        for op in OPS:
+            for pre, post in [(1.0, 1.0), (0.5, 2.0)]:
+                if is_int and op in ("Sum", "Product", "Average") and pre != 1.0:
+                    continue  # scaled wrapped integers are out of range: undefined
+                sizes = SIZES + ([BIG] if dtype in (np.float32, np.int32) and pre == 1.0 else [])
+                for n in sizes:
+                    name = f"ar.{np.dtype(dtype).name}.{op}.{pre}.{n}"
+                    x = data(rank, n, dtype, op, 1)
+                    got = submit(_engine.ALLREDUCE, x, name, op=OPS[op],
+                                 prescale_factor=pre, postscale_factor=post).wait()
+                    want = reference([data(r, n, dtype, op, 1) for r in range(size)],
+                                     dtype, op, pre, post)
+                    # Average divides by size: exact for ints (truncation) only.
+                    exact = is_int or (op != "Average" and post * pre in (1.0,))
+                    check(name, got, want, exact)
+    # Multi-dimensional shapes keep their shape.
+    x = np.full((3, 5, 2), rank + 1, np.float32)
+    got = submit(_engine.ALLREDUCE, x, "ar.shape", op=OPS["Sum"]).wait()
+    check("ar.shape", got, np.full((3, 5, 2), size * (size + 1) / 2), exact=True)
+
+
+def test_allgather(rank, size):
+    for dtype in DTYPES:
+        for rows_of in (lambda r: 3, lambda r: r + 1, lambda r: 0 if r == 1 else 2 * r + 1):
+            rows = [rows_of(r) for r in range(size)]
+            parts = [data(r, rows[r] * 4, dtype, "Sum", 2).reshape(rows[r], 4)
+                     for r in range(size)]
+            name = f"ag.{np.dtype(dtype).name}.{rows}"
+            got = submit(_engine.ALLGATHER, parts[rank], name).wait()
+            check(name, got, np.concatenate(parts), exact=True)
+    big = data(rank, BIG + rank, np.float32, "Sum", 3)
+    got = submit(_engine.ALLGATHER, big, "ag.big").wait()
+    want = np.concatenate([data(r, BIG + r, np.float32, "Sum", 3) for r in range(size)])
+    check("ag.big", got, want, exact=True)
+
+
+def test_broadcast(rank, size):
+    for dtype in DTYPES:
+        for root in range(size):
+            for n in SIZES + ([BIG] if dtype == np.float32 else []):
+                name = f"bc.{np.dtype(dtype).name}.{root}.{n}"
+                got = submit(_engine.BROADCAST, data(rank, n, dtype, "Sum", 4), name,
+                             root_rank=root).wait()
+                check(name, got, data(root, n, dtype, "Sum", 4), exact=True)
+
+
+def test_out_of_order(rank, size):
+    """Each rank submits 200 names in its own random order before waiting on any."""
+    names = [f"ooo.{i}" for i in range(200)]
+    order = list(range(len(names)))
+    random.Random(rank).shuffle(order)
+    handles = {}
+    for i in order:
+        x = np.full(1 + (i * 37) % 3000, float(rank + i), np.float32)
+        handles[i] = submit(_engine.ALLREDUCE, x, names[i], op=OPS["Sum"])
+    for i in range(len(names)):
+        want = sum(float(r + i) for r in range(size))
+        check(names[i], handles[i].wait(), np.full(1 + (i * 37) % 3000, want), exact=True)
+
+
+def expect_error(handle, exc_type, *fragments):
+    try:
+        handle.wait()
+    except exc_type as e:
+        text = str(e).lower()
+        for frag in fragments:
+            if frag.lower() not in text:
+                fail(f"error message lacks {frag!r}: {text}")
+        return
+    fail(f"expected {exc_type.__name__} containing {fragments}")
+
+
+def test_mismatch(rank, size):
+    x = np.zeros(4 + (rank == 1), np.float32)
+    expect_error(submit(_engine.ALLREDUCE, x, "mm.shape", op=OPS["Sum"]), ValueError,
+                 "mm.shape", "rank 0", "float32[4]", "float32[5]")
+    x = np.zeros(4, np.float32 if rank == 0 else np.float64)
+    expect_error(submit(_engine.ALLREDUCE, x, "mm.dtype", op=OPS["Sum"]), ValueError,
+                 "mm.dtype", "float64")
+    x = np.zeros(4, np.float32)
+    expect_error(submit(_engine.ALLREDUCE, x, "mm.op", op=OPS["Sum" if rank else "Max"]),
+                 ValueError, "mm.op", "Max", "Sum")
+    expect_error(submit(_engine.BROADCAST, x, "mm.root", root_rank=rank % 2), ValueError,
+                 "mm.root", "root=0", "root=1")
+    x = np.zeros((2, 3 + (rank == 1)), np.float32)
+    expect_error(submit(_engine.ALLGATHER, x, "mm.gather"), ValueError, "mm.gather")
+    # The engine still works after errors.
+    got = submit(_engine.ALLREDUCE, np.ones(3, np.float32), "after", op=OPS["Sum"]).wait()
+    check("after", got, np.full(3, size), exact=True)
+
+
+def test_duplicate_name(rank, size):
+    a = submit(_engine.ALLREDUCE, np.ones(3, np.float32), "dup", op=OPS["Sum"])
+    b = submit(_engine.ALLREDUCE, np.ones(3, np.float32), "dup", op=OPS["Sum"])
+    expect_error(b, ValueError, "dup", "in flight")
+    check("dup", a.wait(), np.full(3, size), exact=True)
+
+
+def test_restart(rank, size):
+    kr.shutdown()
+    if kr.is_initialized():
+        fail("still initialised after shutdown()")
+    expect_error(submit(_engine.ALLREDUCE, np.ones(2, np.float32), "x", op=1), RuntimeError,
+                 "not initialised")
+    kr.init()
+    got = submit(_engine.ALLREDUCE, np.ones(2, np.float32), "restart", op=OPS["Sum"]).wait()
+    check("restart", got, np.full(2, size), exact=True)
+
+
+def main():
+    kr.init()
+    rank, size = kr.rank(), kr.size()
+    expected = int(os.environ.get("KR_TEST_EXPECTED_SIZE", size))
+    if size != expected:
+        fail(f"size {size}, expected {expected}")
+    for test in (test_allreduce, test_allgather, test_broadcast, test_out_of_order,
+                 test_mismatch, test_duplicate_name, test_restart):
+        test(rank, size)
+        print(f"rank {rank}: {test.__name__} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
