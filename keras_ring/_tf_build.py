@@ -25,7 +25,7 @@ _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _SOURCE_DIR = _PACKAGE_DIR / "_tf_src"
 _CORE_LIBRARY = "libkeras_ring_core.so"
 _LIBRARY_NAME = "libkeras_ring_tf_ops.so"
-_TYPICAL_BUILD_SECONDS = 20
+_TYPICAL_BUILD_SECONDS = 15
 
 _loaded = None
 _load_lock = threading.Lock()

@@ -7,6 +7,7 @@ values across ranks.
 """
 
 import functools
+import subprocess
 
 import numpy as np
 import pytest
@@ -348,6 +349,19 @@ def test_cache_key_follows_the_compiler(tmp_path, monkeypatch):
     assert default.parent.name.startswith(f"tf-{tf.__version__}-")
     monkeypatch.setenv("CXX", "c++ -O1")
     assert _tf_build.library_path() != default
+
+
+def test_stale_library_is_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_RING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_tf_build, "_loaded", None)
+    # A cached library whose symbols this TensorFlow lacks, as after an ABI change.
+    target = _tf_build.library_path()
+    target.parent.mkdir(parents=True)
+    source = tmp_path / "stale.cc"
+    source.write_text('extern "C" void gone(); extern "C" void f() { gone(); }')
+    subprocess.run(["c++", "-shared", "-fPIC", source, "-o", target], check=True)
+    with pytest.raises(RuntimeError, match="(?s)undefined symbol.*stale.*keras-ring-build"):
+        _tf_build.load()
 
 
 def test_load_returns_one_module():

@@ -1,0 +1,120 @@
+"""Allreduce time: keras-ring (TF op and engine binding) against mpi4py on the same MPI.
+
+    keras-ring-run -np 2 python benchmarks/allreduce_vs_mpi4py.py [--sizes-mib 1 4 16] [--iters 20]
+
+Every method reduces the same float32 buffer, interleaved round by round so
+that the machine's noise hits all methods alike. Rank 0 prints a table (median
+time, algbw = bytes / time, busbw = algbw * 2(p-1)/p as nccl-tests define
+them, and each method's time relative to mpi4py), and writes JSON and a PNG
+plot to benchmarks/results/.
+"""
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402  (initialises MPI before keras-ring, which then shares it)
+
+import tensorflow as tf  # noqa: E402
+
+import keras_ring as kr  # noqa: E402
+from keras_ring import _engine  # noqa: E402
+
+
+def timed(fn, iters, comm):
+    """Median seconds of `iters` calls, each started together on every rank."""
+    times = []
+    for _ in range(iters):
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    # A collective finishes when its slowest rank does.
+    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    kr.init()
+    comm = MPI.COMM_WORLD
+    rank, size = kr.rank(), kr.size()
+    if MPI.Get_library_version() != kr._basics.mpi_library_version():
+        raise SystemExit("mpi4py and keras-ring loaded different MPI libraries; "
+                         "the comparison would be meaningless")
+
+    rows = []
+    for mib in args.sizes_mib:
+        n = int(mib * 2**20) // 4
+        host = np.full(n, float(rank + 1), np.float32)
+        out = np.empty_like(host)
+        tensor = tf.constant(host)
+
+        def tf_op():
+            kr.allreduce(tensor, op=kr.Sum, name="bench").numpy()
+
+        def binding():
+            _engine.submit(_engine.ALLREDUCE, host, "bench", op=kr.Sum).wait()
+
+        def mpi4py():
+            comm.Allreduce(host, out, op=MPI.SUM)
+
+        methods = {"keras-ring TF op": tf_op, "keras-ring engine": binding, "mpi4py Allreduce": mpi4py}
+        for fn in methods.values():  # warm up: first-use costs are not what we measure
+            fn()
+        for name, fn in methods.items():
+            seconds = timed(fn, args.iters, comm)
+            algbw = n * 4 / seconds / 1e9
+            rows.append({"method": name, "bytes": n * 4, "ranks": size, "seconds": seconds,
+                         "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (size - 1) / size})
+    if rank != 0:
+        return
+    base = {r["bytes"]: r["seconds"] for r in rows if r["method"] == "mpi4py Allreduce"}
+    print(f"\nallreduce float32, {size} ranks, median of {args.iters}; MPI: "
+          f"{MPI.Get_library_version().splitlines()[0]}")
+    print(f"{'method':<20}{'MiB':>8}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+          f"{'x mpi4py':>10}")
+    for r in rows:
+        r["time_vs_mpi4py"] = r["seconds"] / base[r["bytes"]]
+        print(f"{r['method']:<20}{r['bytes'] / 2**20:>8.1f}{r['seconds'] * 1e3:>10.2f}"
+              f"{r['algbw_GBps']:>12.2f}{r['busbw_GBps']:>12.2f}{r['time_vs_mpi4py']:>10.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"allreduce_vs_mpi4py_{size}ranks")
+    with open(stem + ".json", "w") as f:
+        json.dump({"ranks": size, "iters": args.iters, "rows": rows}, f, indent=2)
+    plot(rows, size, stem + ".png")
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+def plot(rows, size, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [r for r in rows if r["method"] == method]
+        ax.plot([r["bytes"] / 2**20 for r in pts], [r["busbw_GBps"] for r in pts], "o-",
+                label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (MiB)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"allreduce float32, {size} ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
