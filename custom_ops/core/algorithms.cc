@@ -152,7 +152,7 @@ void RingAllgather(Transport& t, const AllgatherOptions& o) {
   const int left = Mod(r - 1, p);
   for (int s = 0; s < p - 1; ++s) {
     const int send_b = Mod(r - s, p);
-    const int recv_b = Mod(r - s - 1, p);
+    const int recv_b = Mod(r - s + 1, p);
     RingStep(t, right, out + offsets[send_b], o.block_bytes[send_b], left, out + offsets[recv_b],
              o.block_bytes[recv_b], segment, o.tag, [](size_t, size_t) {});
   }
@@ -185,7 +185,7 @@ void Broadcast(Transport& t, const BroadcastOptions& o) {
   int parent = -1;
   for (; mask < p; mask <<= 1) {
     if (v & mask) {
-      parent = v - mask;
+      parent = real_rank(v - mask);
       break;
     }
   }

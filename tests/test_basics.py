@@ -1,0 +1,70 @@
+"""Single-process behaviour of init, shutdown and the topology queries."""
+
+import subprocess
+import sys
+
+import pytest
+
+import keras_ring as kr
+
+QUERIES = ["size", "rank", "local_rank", "local_size", "cross_rank", "cross_size",
+           "is_homogeneous", "mpi_threads_supported", "mpi_enabled"]
+
+
+def run_python(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("query", QUERIES)
+def test_queries_before_init_raise_clear_error(query):
+    result = run_python(f"import keras_ring as kr\nkr.{query}()")
+    assert result.returncode != 0
+    assert "keras_ring.init()" in result.stderr, result.stderr
+
+
+def test_no_launcher_is_a_job_of_size_one():
+    result = run_python(
+        "import keras_ring as kr\n"
+        "kr.init()\n"
+        "print(kr.rank(), kr.size(), kr.local_rank(), kr.local_size(), kr.cross_rank(),"
+        " kr.cross_size(), kr.is_homogeneous(), kr.mpi_enabled())\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "1", "0", "1", "0", "1", "True", "True"]
+
+
+def test_init_twice_then_shutdown_and_init_again():
+    result = run_python(
+        "import numpy as np, keras_ring as kr\n"
+        "from keras_ring import _engine\n"
+        "kr.init(); kr.init()\n"
+        "kr.shutdown(); assert not kr.is_initialized()\n"
+        "kr.init(); assert kr.is_initialized()\n"
+        "print(_engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), 'x').wait())\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[1. 1. 1.]" in result.stdout
+
+
+def test_build_flags():
+    assert kr.mpi_built() is True
+    assert kr.nccl_built() is False
+    assert kr.cuda_built() is False
+
+
+def test_init_rejects_unsupported_arguments():
+    with pytest.raises(ValueError, match="Received: comm="):
+        kr.init(comm=object())
+    with pytest.raises(ValueError, match="Received: process_sets="):
+        kr.init(process_sets=[[0]])
+
+
+def test_engine_refuses_requests_before_init():
+    result = run_python(
+        "import numpy as np\n"
+        "from keras_ring import _engine\n"
+        "_engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), 'x').wait()\n"
+    )
+    assert result.returncode != 0
+    assert "not initialised" in result.stderr
