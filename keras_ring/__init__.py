@@ -22,15 +22,13 @@ from keras_ring._basics import (
     shutdown,
     size,
 )
+from keras_ring._reduce_ops import Average, Max, Min, Product, Sum
 
 __version__ = "0.1.0.dev0"
 
 # The collectives need TensorFlow; importing it takes seconds, so it happens on
 # first use (`kr.allreduce`), and the launcher and `kr.init()` stay fast.
-_TF_NAMES = frozenset(
-    ["Average", "Sum", "Min", "Max", "Product",
-     "allreduce", "grouped_allreduce", "allgather", "broadcast"]
-)
+_TF_NAMES = frozenset(["allreduce", "grouped_allreduce", "allgather", "broadcast"])
 
 
 def __getattr__(name):

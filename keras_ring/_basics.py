@@ -1,27 +1,49 @@
 """Process-level state: init, shutdown and where this process sits in the job.
 
-Everything here goes through the engine's NumPy binding (`keras_ring._engine`);
-nothing imports TensorFlow, so `import keras_ring` stays fast.
+Everything here goes through the engine's NumPy binding (`keras_ring._engine`),
+loaded on first use: `import keras_ring` imports neither TensorFlow nor MPI,
+so the launcher starts fast and can explain a missing MPI itself.
 """
 
 import atexit
-import json
-import os
+import importlib
+import sys
 import threading
 
-from keras_ring import _engine
-from keras_ring import _mpi_env
+from keras_ring import _launcher, _mpi_env
 
 _lock = threading.Lock()
 _topology = None
 _exit_hook_registered = False
 
 
-def build_info():
-    """Returns the facts recorded when the engine was built (MPI, launcher)."""
-    path = os.path.join(os.path.dirname(__file__), "_build_info.json")
-    with open(path) as f:
-        return json.load(f)
+def _engine():
+    """Returns the engine binding, explaining a missing MPI library."""
+    try:
+        return importlib.import_module("keras_ring._engine")
+    except ImportError as e:
+        if "libmpi" not in str(e):
+            raise
+        raise RuntimeError(
+            f"keras-ring: the engine cannot load its MPI library ({e}). keras-ring was built "
+            f"against {_describe_mpi(_launcher.read_build_info())}; reinstall that MPI (for the "
+            "default build: `pip install mpich` in this environment) or rebuild keras-ring "
+            "against the MPI you have (see docs/system-mpi.md)."
+        ) from None
+
+
+def _describe_mpi(info):
+    if info.get("mpi_source") == "pypi-mpich":
+        return "the PyPI mpich package"
+    return f"{info.get('mpi_vendor', 'an MPI')} ({info.get('mpicxx')})"
+
+
+def _line_buffer_output():
+    # Ranks share the launcher's output: write whole lines, so that lines of
+    # different ranks never mix (PYTHONUNBUFFERED would write in pieces).
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and not stream.isatty():
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def init(comm=None, process_sets=None):
@@ -62,21 +84,24 @@ def init(comm=None, process_sets=None):
     with _lock:
         if _topology is not None:
             return
-        info = build_info()
+        info = _launcher.read_build_info()
         _mpi_env.check_launcher_environment(info)
-        _engine.init()
-        topology = _engine.topology()
+        engine = _engine()
+        engine.init()
+        topology = engine.topology()
         expected = _mpi_env.expected_world_size()
         if expected is not None and expected != topology["size"]:
-            _engine.shutdown()
+            engine.shutdown()
             raise RuntimeError(
                 f"keras-ring: the launcher started {expected} processes but MPI reports a job "
                 f"of size {topology['size']}: the processes did not join one job, so each "
                 f"would run as rank 0 of its own. keras-ring was built against "
-                f"{info.get('mpi_vendor', 'an unknown MPI')} ({info.get('mpicxx')}); start the "
-                "job with keras-ring-run or with that MPI's own mpiexec."
+                f"{_describe_mpi(info)}; start the job with keras-ring-run or with that "
+                "MPI's own mpiexec."
             )
         _topology = topology
+        if topology["size"] > 1:
+            _line_buffer_output()
         if not _exit_hook_registered:
             atexit.register(_at_exit)
             _exit_hook_registered = True
@@ -89,7 +114,8 @@ def shutdown():
     """
     global _topology
     with _lock:
-        _engine.shutdown()
+        if "keras_ring._engine" in sys.modules:
+            _engine().shutdown()
         _topology = None
 
 
@@ -97,7 +123,7 @@ def _at_exit():
     # MPI_Finalize is collective and must run in the thread that started MPI:
     # the main thread, at interpreter exit.
     shutdown()
-    _engine.finalize()
+    _engine().finalize()
 
 
 def is_initialized():
@@ -176,4 +202,4 @@ def cuda_built():
 
 def mpi_library_version():
     """Returns the MPI library's own version string."""
-    return _engine.mpi_library_version()
+    return _engine().mpi_library_version()

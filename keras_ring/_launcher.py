@@ -7,10 +7,12 @@ keras-ring-run -np 8 -H node1:4,node2:4 --prefix-output python train.py
 
 The launcher comes from the build info (`_build_info.json`): the `mpiexec` of
 the PyPI `mpich` package in this environment, or the system MPI's launcher
-recorded at build time. A one-host job keeps every listening socket on the
-loopback interface; with the PyPI `mpich` it runs under MPICH's forker
-(`mpiexec.gforker`), which talks to the ranks over socket pairs, because
-Hydra's `mpiexec` always listens on all interfaces.
+recorded at build time. In a one-host job the MPI library's sockets listen on
+loopback only (see `launcher_env()`). Hydra's `mpiexec` binds its control port
+to all interfaces whatever its options say, so when MPICH's forker
+(`mpiexec.gforker`, shipped by the PyPI `mpich`) sits beside it, a one-host job
+runs under the forker, which reaches the ranks through socket pairs and listens
+nowhere.
 
 This module imports neither TensorFlow nor the engine, so it starts fast.
 """
@@ -187,7 +189,12 @@ def launcher_vendor(path):
     """
     try:
         result = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, errors="replace", timeout=30
+            [path, "--version"],
+            check=False,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=30,
         )
     except OSError as e:
         raise LaunchError(f"cannot run the MPI launcher {path}: {e.strerror}.") from None
@@ -355,23 +362,34 @@ def run_job(argv, env, forker=False):
         The job's exit code: the launcher's, or 128 + N when the launcher,
         or (under the forker) a rank, died of signal N.
     """
-    child = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE if forker else None)
+    with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE if forker else None) as child:
 
-    def forward(signum, frame):
-        child.send_signal(_FORWARDED_SIGNALS[signum])
+        def forward(signum, frame):
+            # Ctrl-C reaches the whole foreground process group, the launcher too; a
+            # second SIGINT would make Hydra abort at once instead of stopping the ranks.
+            if signum != signal.SIGINT or not _in_terminal_foreground():
+                child.send_signal(_FORWARDED_SIGNALS[signum])
 
-    previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED_SIGNALS}
-    try:
-        rank_signal = _relay_forker_stderr(child.stderr) if forker else None
-        returncode = child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED_SIGNALS}
+        try:
+            rank_signal = _relay_forker_stderr(child.stderr) if forker else None
+            returncode = child.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     if returncode < 0:
         return 128 - returncode
     if returncode == 0 and rank_signal is not None:
         return 128 + rank_signal
     return returncode
+
+
+def _in_terminal_foreground():
+    try:
+        with open("/dev/tty", "rb") as tty:
+            return os.tcgetpgrp(tty.fileno()) == os.getpgrp()
+    except OSError:
+        return False
 
 
 def _relay_forker_stderr(stream):
@@ -417,6 +435,8 @@ def main(argv=None):
     env = launcher_env(launcher, options, os.environ)
     argv = launcher_command(launcher, options, env)
     if options.verbose:
-        changed = [f"{name}={value}" for name, value in env.items() if os.environ.get(name) != value]
+        changed = [
+            f"{name}={value}" for name, value in env.items() if os.environ.get(name) != value
+        ]
         print(f"keras-ring-run: {shlex.join(changed + argv)}", file=sys.stderr, flush=True)
     return run_job(argv, env, forker=argv[0] == launcher.forker)

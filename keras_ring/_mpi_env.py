@@ -22,8 +22,11 @@ import os
 from keras_ring import _launcher
 
 # How to start a job under Slurm for each build.
-_SRUN_BY_VENDOR = {"MPICH": "srun --mpi=pmi2", "Intel MPI": "srun --mpi=pmi2",
-                   "Open MPI": "srun --mpi=pmix"}
+_SRUN_BY_VENDOR = {
+    "MPICH": "srun --mpi=pmi2",
+    "Intel MPI": "srun --mpi=pmi2",
+    "Open MPI": "srun --mpi=pmix",
+}
 
 
 def check_launcher_environment(build_info, environ=None):

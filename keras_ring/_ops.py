@@ -13,15 +13,8 @@ import warnings
 import tensorflow as tf
 
 from keras_ring import _basics, _tf_build
-
-# Numbering as horovod's (2 was Adasum, which keras-ring does not offer).
-Average = 0
-Sum = 1
-Min = 3
-Max = 4
-Product = 5
-
-_REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product"}
+from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
+from keras_ring._reduce_ops import Average, Max, Min, Product, Sum  # noqa: F401
 # The reductions that are linear: differentiable, and computable on
 # tf.IndexedSlices by gathering.
 _LINEAR_OPS = (Average, Sum)

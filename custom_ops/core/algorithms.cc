@@ -50,15 +50,20 @@ void RingStep(Transport& t, int right, const char* send, size_t send_bytes, int 
 
 // Ring allreduce (reduce-scatter, then allgather), in place.
 //
-// The count elements are cut into p chunks c_0..c_{p-1} whose sizes differ by
+// The count elements are cut into p chunks c0..c(p-1) whose sizes differ by
 // at most one element (some may be empty). Rank r sends to r+1 and receives
-// from r-1 (mod p). Example for p = 3, where "cK+=" means "receive chunk K
-// and reduce it into the local chunk K":
+// from r-1 (mod p). For p = 3, "cK->" sends chunk K to the right, "cK+="
+// receives chunk K from the left and reduces it into the local one, "cK="
+// receives it in place:
 //
-//   reduce-scatter  step 0      step 1
-//     rank 0        send c0     send c2      c2+=  ->  c1+=   owns c1
-//     rank 1        send c1     send c0      c0+=  ->  c2+=   owns c2
-//     rank 2        send c2     send c1      c1+=  ->  c0+=   owns c0
+//   reduce-scatter  step 0       step 1       then owns
+//     rank 0        c0->, c2+=   c2->, c1+=   c1
+//     rank 1        c1->, c0+=   c0->, c2+=   c2
+//     rank 2        c2->, c1+=   c1->, c0+=   c0
+//   allgather       step 0       step 1
+//     rank 0        c1->, c0=    c0->, c2=
+//     rank 1        c2->, c1=    c1->, c0=
+//     rank 2        c0->, c2=    c2->, c1=
 //
 // At step s rank r sends chunk (r-s) and reduces chunk (r-s-1) received from
 // the left; after p-1 steps chunk (r+1) holds the reduction of every rank's
@@ -152,7 +157,7 @@ void RingAllgather(Transport& t, const AllgatherOptions& o) {
   const int left = Mod(r - 1, p);
   for (int s = 0; s < p - 1; ++s) {
     const int send_b = Mod(r - s, p);
-    const int recv_b = Mod(r - s + 1, p);
+    const int recv_b = Mod(r - s - 1, p);
     RingStep(t, right, out + offsets[send_b], o.block_bytes[send_b], left, out + offsets[recv_b],
              o.block_bytes[recv_b], segment, o.tag, [](size_t, size_t) {});
   }

@@ -69,7 +69,8 @@ typedef struct kr_request {
   double postscale_factor;   /* allreduce only: result scaled after */
   int root_rank;             /* broadcast only */
   int device;                /* KR_DEVICE_CPU; GPU ordinals come later */
-  /* Called from the engine thread; returns NULL if allocation failed. */
+  /* Called from the engine thread; returns NULL if allocation failed (NULL
+   * is accepted for an output of zero bytes). */
   void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape);
   /* Called exactly once from the engine thread (or from kr_enqueue when the
    * request is refused). message is valid only during the call. */

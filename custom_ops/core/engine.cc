@@ -406,13 +406,16 @@ void Engine::Run(const Request& req, const Response& resp) {
         AllgatherOptions o;
         for (int64_t d : resp.first_dims) o.block_bytes.push_back(static_cast<size_t>(d) * row_bytes);
         o.input = req.input;
+        const size_t out_bytes = static_cast<size_t>(out_shape[0]) * row_bytes;
         void* out = req.allocate_output(req.ctx, static_cast<int>(out_shape.size()), out_shape.data());
-        // Without an output this rank must still take part, or the others hang.
-        std::vector<char> scratch;
-        if (!out) scratch.resize(static_cast<size_t>(out_shape[0]) * row_bytes);
-        o.output = out ? out : scratch.data();
+        // NULL is a failure only when there are bytes to hold (an empty
+        // tensor may have no buffer). Without an output this rank must still
+        // take part, or the others hang.
+        const bool failed = !out && out_bytes > 0;
+        std::vector<char> scratch(failed ? out_bytes : 0);
+        o.output = failed ? scratch.data() : out;
         RingAllgather(*transport_, o);
-        if (!out) {
+        if (failed) {
           req.Complete(KR_INTERNAL, "keras-ring: could not allocate the output of allgather for "
                                     "tensor '" + m.name + "'");
           return;

@@ -121,14 +121,12 @@ class PendingOp {
       slot->allocation = status;
       return nullptr;
     }
-    // An empty tensor has no buffer, yet NULL means failure to the engine.
-    static char empty_output;
-    return output->NumElements() == 0 ? &empty_output : output->data();
+    return output->data();
   }
 
   static void Done(void* ctx, kr_status status, const char* message) {
     Slot* slot = static_cast<Slot*>(ctx);
-    // A failed allocation explains the engine's error better than it does.
+    // A failed allocation says more than the engine's report of it.
     slot->op->Complete(slot->allocation.ok() ? EngineStatus(status, message)
                                              : slot->allocation);
   }

@@ -191,6 +191,6 @@ double Unit(uint64_t hash);
 // the rank. If stats is given, it receives the world's traffic counters.
 void RunRanks(int size, const std::function<void(keras_ring::Transport&)>& body,
               keras_ring::InProcessStats* stats = nullptr,
-              std::chrono::milliseconds timeout = std::chrono::seconds(30));
+              std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
 }  // namespace kr_test

@@ -20,7 +20,7 @@ try:
 except ImportError:  # ml_dtypes comes with TensorFlow
     bfloat16 = None
 
-OPS = {"Average": 0, "Sum": 1, "Min": 3, "Max": 4, "Product": 5}
+OPS = {name: getattr(kr, name) for name in ("Average", "Sum", "Min", "Max", "Product")}
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64]
 if bfloat16 is not None:
     DTYPES.insert(1, bfloat16)

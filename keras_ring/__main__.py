@@ -1,4 +1,4 @@
-"""`python -m keras_ring.run`: the `keras-ring-run` command, for environments without it."""
+"""`python -m keras_ring`: the `keras-ring-run` command, for environments without it."""
 
 import sys
 

@@ -1,0 +1,118 @@
+"""Shared test setup: markers and the `run_ranks` fixture that starts multi-rank jobs."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+# Each rank gets a small share of the machine: CI runners have 2 cores.
+RANK_THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "2",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+}
+OUTPUT_TAIL_LINES = 80
+# After a timeout, how long the launcher gets to stop its ranks before SIGKILL.
+STOP_GRACE_SECONDS = 10
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "multirank: starts a job of several ranks under keras-ring-run"
+    )
+    import keras_ring
+
+    package = os.path.dirname(keras_ring.__file__)
+    if not os.path.exists(os.path.join(package, "_build_info.json")):
+        raise pytest.UsageError(
+            f"the tests imported keras_ring from {package}, which is not an installed build. "
+            "Install it (pip install '.[test]') and run `pytest` rather than `python -m pytest`, "
+            "which puts the source tree first on sys.path."
+        )
+
+
+@pytest.fixture(autouse=True)
+def _outside_the_source_tree(tmp_path, monkeypatch):
+    # `python -c` and `python script` put the working directory first on
+    # sys.path: run from elsewhere so that subprocesses import the installed
+    # keras_ring, never the unbuilt source tree.
+    monkeypatch.chdir(tmp_path)
+
+
+def _tail(text):
+    return "\n".join(text.splitlines()[-OUTPUT_TAIL_LINES:])
+
+
+@pytest.fixture
+def run_ranks():
+    """Runs a script as `np` ranks under `keras-ring-run`, as a user would.
+
+    Called as `run_ranks(np, script_path, *args, timeout=300, env=None)`;
+    `env` adds to (or overrides) this process's environment and the per-rank
+    thread settings. The test fails, showing the end of the output, when the
+    job exits with a non-zero code or runs past `timeout` seconds (then the
+    launcher's whole process group is stopped).
+
+    Returns:
+        A `subprocess.CompletedProcess` whose `stdout` holds stdout and stderr.
+    """
+
+    def run(np, script_path, *args, timeout=300, env=None):
+        command = [
+            os.path.join(os.path.dirname(sys.executable), "keras-ring-run"),
+            "-np",
+            str(np),
+            "--",
+            sys.executable,
+            str(script_path),
+            *map(str, args),
+        ]
+        job_env = {**os.environ, **RANK_THREAD_ENV, **(env or {})}
+        # A file, not a pipe: ranks that outlive a killed launcher cannot block the read.
+        with tempfile.TemporaryFile() as output:
+            job = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=job_env,
+                start_new_session=True,
+            )
+            try:
+                job.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _stop_process_group(job)
+            output.seek(0)
+            text = output.read().decode(errors="replace")
+        if timed_out:
+            pytest.fail(
+                f"{np}-rank job {script_path} ran past {timeout} s and was stopped. "
+                f"Output tail:\n{_tail(text)}"
+            )
+        if job.returncode != 0:
+            pytest.fail(
+                f"{np}-rank job {script_path} exited with {job.returncode}. "
+                f"Output tail:\n{_tail(text)}"
+            )
+        return subprocess.CompletedProcess(command, job.returncode, text, None)
+
+    return run
+
+
+def _stop_process_group(job):
+    """SIGTERM (the launcher passes it on to the ranks), then SIGKILL, to the job's group."""
+    try:
+        os.killpg(job.pid, signal.SIGTERM)
+        job.wait(timeout=STOP_GRACE_SECONDS)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait()

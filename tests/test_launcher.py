@@ -1,0 +1,495 @@
+"""keras-ring-run (keras_ring/_launcher.py) and the launcher checks in keras_ring/_mpi_env.py."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from keras_ring import _launcher, _mpi_env
+
+COMMAND = ["python", "train.py"]
+HYDRA = _launcher.Launcher("/mpi/bin/mpiexec", "MPICH")
+MPICH_WITH_FORKER = _launcher.Launcher("/mpi/bin/mpiexec", "MPICH", "/mpi/bin/mpiexec.gforker")
+OPEN_MPI = _launcher.Launcher("/ompi/bin/mpirun", "Open MPI")
+INTEL = _launcher.Launcher("/impi/bin/mpiexec", "Intel MPI")
+VERSION_TEXT = {
+    "MPICH": "HYDRA build details:\n    Version: 4.2.0",
+    "Open MPI": "mpirun (Open MPI) 5.0.3",
+    "Intel MPI": "Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619",
+}
+
+
+def options(*argv):
+    return _launcher.parse_args([*argv, *COMMAND])
+
+
+def write_build_info(monkeypatch, tmp_path, **info):
+    path = tmp_path / "_build_info.json"
+    path.write_text(json.dumps({**_launcher._DEFAULT_BUILD_INFO, **info}))
+    monkeypatch.setattr(_launcher, "_BUILD_INFO_PATH", path)
+
+
+def write_fake_launcher(path, version_text, stderr_text="", exit_code=3):
+    """A shell script that answers `--version`, else records its argv and env."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "#!/bin/sh\n"
+        f"if [ \"$1\" = --version ]; then printf '%s\\n' '{version_text}'; exit 0; fi\n"
+        f"printf '%s\\n' \"$@\" > '{path}.argv'\n"
+        f"env > '{path}.env'\n"
+        f"printf '%s' '{stderr_text}' >&2\n"
+        f"exit {exit_code}\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def run_main(capfd, *argv):
+    code = _launcher.main(list(argv))
+    return code, capfd.readouterr().err
+
+
+# Arguments.
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "required: -np"),
+        (["-np", "x", "ls"], "invalid int value: 'x'"),
+        (["-np", "0", "ls"], "Received: -np=0"),
+        (["-np", "2"], "no command to run"),
+        (["-np", "2", "-H", "a:0", "ls"], "Received: -H=a:0"),
+        (["-np", "2", "-H", "a", "--hostfile", "hosts", "ls"], "not both"),
+    ],
+)
+def test_bad_arguments_are_explained_with_exit_code_2(capfd, argv, message):
+    code, err = run_main(capfd, *argv)
+    assert code == 2
+    assert err.startswith("keras-ring-run: ")
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_command_may_follow_a_double_dash():
+    parsed = _launcher.parse_args(["-np", "2", "--", "python", "-H", "x.py"])
+    assert parsed.command == ["python", "-H", "x.py"]
+    assert parsed.hosts is None
+
+
+# Command construction.
+
+
+def test_one_host_mpich_job_runs_under_the_forker():
+    assert _launcher.launcher_command(MPICH_WITH_FORKER, options("-np", "2"), {}) == [
+        "/mpi/bin/mpiexec.gforker",
+        "-n",
+        "2",
+        *COMMAND,
+    ]
+    assert _launcher.launcher_command(
+        MPICH_WITH_FORKER, options("-np", "2", "--prefix-output"), {}
+    ) == ["/mpi/bin/mpiexec.gforker", "-n", "2", "-l", *COMMAND]
+
+
+def test_one_host_hydra_job_stays_on_loopback():
+    assert _launcher.launcher_command(HYDRA, options("-np", "2", "--prefix-output"), {}) == [
+        "/mpi/bin/mpiexec",
+        "-hosts",
+        "localhost",
+        "-iface",
+        "lo",
+        "-prepend-rank",
+        "-np",
+        "2",
+        *COMMAND,
+    ]
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", socket.gethostname()])
+def test_local_hosts_make_a_one_host_job(host):
+    argv = _launcher.launcher_command(MPICH_WITH_FORKER, options("-np", "2", "-H", f"{host}:2"), {})
+    assert argv[0] == "/mpi/bin/mpiexec.gforker"
+
+
+@pytest.mark.parametrize("launcher", [HYDRA, MPICH_WITH_FORKER, INTEL])
+def test_multi_host_hydra_job(launcher):
+    assert _launcher.launcher_command(
+        launcher, options("-np", "3", "-H", "a:2,b", "--prefix-output"), {}
+    ) == [launcher.path, "-hosts", "a:2,b:1", "-prepend-rank", "-np", "3", *COMMAND]
+    assert _launcher.launcher_command(launcher, options("-np", "4", "--hostfile", "hosts"), {}) == [
+        launcher.path,
+        "-f",
+        "hosts",
+        "-np",
+        "4",
+        *COMMAND,
+    ]
+
+
+def test_one_host_open_mpi_job():
+    assert _launcher.launcher_command(OPEN_MPI, options("-np", "2", "--prefix-output"), {}) == [
+        "/ompi/bin/mpirun",
+        "-np",
+        "2",
+        "--tag-output",
+        *COMMAND,
+    ]
+
+
+def test_multi_host_open_mpi_job_exports_the_environment():
+    env = {"PYTHONUNBUFFERED": "1", "MY_SETTING": "x", "PWD": "/here", "BASH_FUNC_f%%": "() {}"}
+    assert _launcher.launcher_command(OPEN_MPI, options("-np", "4", "-H", "a:2,b:2"), env) == [
+        "/ompi/bin/mpirun",
+        "-np",
+        "4",
+        "-H",
+        "a:2,b:2",
+        "-x",
+        "MY_SETTING",
+        "-x",
+        "PYTHONUNBUFFERED",
+        *COMMAND,
+    ]
+    argv = _launcher.launcher_command(OPEN_MPI, options("-np", "4", "--hostfile", "hosts"), env)
+    assert argv[3:5] == ["--hostfile", "hosts"]
+
+
+# Environment.
+
+
+def test_one_host_job_environment():
+    env = _launcher.launcher_env(HYDRA, options("-np", "2"), {"UCX_NET_DEVICES": "mlx5_0:1"})
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["FI_TCP_IFACE"] == env["FI_SOCKETS_IFACE"] == "lo"
+    assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
+
+
+def test_multi_host_job_environment_is_not_restricted_to_loopback():
+    env = _launcher.launcher_env(HYDRA, options("-np", "2", "-H", "a,b"), {"KEEP": "1"})
+    assert env == {"KEEP": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_open_mpi_keeps_the_users_exclude_list():
+    environ = {"OMPI_MCA_btl_tcp_if_exclude": "docker0"}
+    env = _launcher.launcher_env(OPEN_MPI, options("-np", "2"), environ)
+    assert "OMPI_MCA_btl_tcp_if_include" not in env
+    assert env["OMPI_MCA_oob_tcp_if_include"] == env["UCX_NET_DEVICES"] == "lo"
+
+
+# Finding the launcher.
+
+
+def test_missing_build_info_means_pypi_mpich(monkeypatch, tmp_path):
+    monkeypatch.setattr(_launcher, "_BUILD_INFO_PATH", tmp_path / "absent.json")
+    assert _launcher.read_build_info()["mpi_source"] == "pypi-mpich"
+
+
+def test_missing_pypi_mpich_launcher_is_explained(monkeypatch, tmp_path, capfd):
+    write_build_info(monkeypatch, tmp_path, mpi_source="pypi-mpich")
+    monkeypatch.setattr(_launcher.sysconfig, "get_path", lambda name, scheme=None: str(tmp_path))
+    code, err = run_main(capfd, "-np", "2", "ls")
+    assert code == 2
+    assert f"{tmp_path}/mpiexec" in err
+    assert "-m pip install mpich" in err
+    assert "Traceback" not in err
+
+
+def test_missing_system_launcher_is_explained(monkeypatch, tmp_path, capfd):
+    gone = str(tmp_path / "gone" / "mpiexec")
+    write_build_info(monkeypatch, tmp_path, mpi_source="system", mpiexec=gone, mpicxx="/x/mpicxx")
+    code, err = run_main(capfd, "-np", "2", "ls")
+    assert code == 2
+    assert gone in err and "/x/mpicxx" in err and "KERAS_RING_MPICXX" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "built, found", [("MPICH", "Open MPI"), ("Open MPI", "MPICH"), ("MPICH", "Intel MPI")]
+)
+def test_launcher_of_another_mpi_is_refused(monkeypatch, tmp_path, capfd, built, found):
+    mpiexec = write_fake_launcher(tmp_path / "bin" / "mpiexec", VERSION_TEXT[found])
+    write_build_info(
+        monkeypatch, tmp_path, mpi_source="system", mpi_vendor=built, mpiexec=str(mpiexec)
+    )
+    code, err = run_main(capfd, "-np", "2", "ls")
+    assert code == 2
+    assert f"launcher of {found}, but keras-ring was built against {built}" in err
+    assert "Traceback" not in err
+    assert not os.path.exists(f"{mpiexec}.argv")
+
+
+def test_launcher_with_unknown_version_text_is_trusted(tmp_path):
+    mpiexec = write_fake_launcher(tmp_path / "mpiexec", "a wrapper script")
+    info = {
+        **_launcher._DEFAULT_BUILD_INFO,
+        "mpi_source": "system",
+        "mpi_vendor": "Open MPI",
+        "mpiexec": str(mpiexec),
+    }
+    assert _launcher.locate_launcher(info) == _launcher.Launcher(str(mpiexec), "Open MPI")
+
+
+def test_job_runs_with_its_environment_and_exit_code(monkeypatch, tmp_path, capfd):
+    mpiexec = write_fake_launcher(tmp_path / "bin" / "mpiexec", VERSION_TEXT["MPICH"])
+    write_build_info(monkeypatch, tmp_path, mpi_source="system", mpiexec=str(mpiexec))
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    code, err = run_main(capfd, "-np", "2", "--verbose", *COMMAND)
+    assert code == 3
+    expected = ["-hosts", "localhost", "-iface", "lo", "-np", "2", *COMMAND]
+    assert mpiexec.with_suffix(".argv").read_text().split("\n")[:-1] == expected
+    job_env = mpiexec.with_suffix(".env").read_text().splitlines()
+    assert "PYTHONUNBUFFERED=1" in job_env and "UCX_NET_DEVICES=lo" in job_env
+    assert f"{mpiexec} -hosts localhost -iface lo -np 2 python train.py" in err
+
+
+def test_rank_killed_by_a_signal_fails_a_forker_job(monkeypatch, tmp_path, capfd):
+    bin_dir = tmp_path / "bin"
+    mpiexec = write_fake_launcher(bin_dir / "mpiexec", VERSION_TEXT["MPICH"])
+    report = "[0]1:Return code = 0, signaled with Killed\n"
+    write_fake_launcher(bin_dir / "mpiexec.gforker", "", stderr_text=report, exit_code=0)
+    write_build_info(monkeypatch, tmp_path, mpi_source="system", mpiexec=str(mpiexec))
+    code, err = run_main(capfd, "-np", "2", *COMMAND)
+    assert code == 128 + signal.SIGKILL
+    assert report in err
+
+
+# The environment a rank was started with (keras_ring/_mpi_env.py).
+
+HYDRA_ENV = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "9", "HYDI_CONTROL_FD": "7"}
+FORKER_ENV = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "8"}
+OPEN_MPI_ENV = {
+    "OMPI_COMM_WORLD_SIZE": "2",
+    "OMPI_COMM_WORLD_RANK": "0",
+    "PMIX_RANK": "0",
+    "PMIX_NAMESPACE": "prterun-x-1@1",
+}
+SRUN_PMI2_ENV = {"PMI_RANK": "0", "PMI_FD": "5", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"}
+SRUN_PMIX_ENV = {
+    "PMIX_RANK": "0",
+    "PMIX_NAMESPACE": "slurm.pmix.1.0",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "8",
+}
+
+
+def build_info(vendor, source="system"):
+    return {
+        **_launcher._DEFAULT_BUILD_INFO,
+        "mpi_source": source,
+        "mpi_vendor": vendor,
+        "mpicxx": "/usr/bin/mpicxx",
+        "mpiexec": "/usr/bin/mpiexec",
+    }
+
+
+@pytest.mark.parametrize(
+    "info, environ, message",
+    [
+        (build_info("MPICH"), OPEN_MPI_ENV, "started by Open MPI's mpirun"),
+        (build_info("Intel MPI"), OPEN_MPI_ENV, "started by Open MPI's mpirun"),
+        (build_info("Open MPI"), HYDRA_ENV, "Hydra mpiexec"),
+        (build_info("Open MPI"), FORKER_ENV, "MPICH-family mpiexec"),
+        (build_info("MPICH", "pypi-mpich"), SRUN_PMIX_ENV, "srun --mpi=pmi2"),
+    ],
+)
+def test_launcher_of_another_mpi_is_detected_in_a_rank(info, environ, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)) as error:
+        _mpi_env.check_launcher_environment(info, environ)
+    assert f"built against {info['mpi_vendor']}" in str(error.value)
+    assert "keras-ring-run" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "info, environ",
+    [
+        (build_info("MPICH"), {}),
+        (build_info("MPICH"), HYDRA_ENV),
+        (build_info("MPICH"), FORKER_ENV),
+        (build_info("MPICH"), SRUN_PMI2_ENV),
+        (build_info("MPICH"), SRUN_PMIX_ENV),
+        (build_info("Intel MPI"), HYDRA_ENV),
+        (build_info("Open MPI"), OPEN_MPI_ENV),
+        (build_info("Open MPI"), SRUN_PMI2_ENV),
+        (build_info("Open MPI"), SRUN_PMIX_ENV),
+        (build_info("unknown"), OPEN_MPI_ENV),
+    ],
+)
+def test_matching_launcher_passes_the_check(info, environ):
+    _mpi_env.check_launcher_environment(info, environ)
+
+
+@pytest.mark.parametrize(
+    "environ, size",
+    [
+        ({}, None),
+        (HYDRA_ENV, 2),
+        (OPEN_MPI_ENV, 2),
+        (SRUN_PMI2_ENV, 4),
+        (SRUN_PMIX_ENV, 8),
+        ({"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4"}, None),
+        ({"PMI_SIZE": "two"}, None),
+    ],
+)
+def test_expected_world_size(environ, size):
+    assert _mpi_env.expected_world_size(environ) == size
+
+
+# Real jobs under the MPI of the build.
+
+
+def launch(*argv):
+    """Starts `keras-ring-run *argv` with its stdout and stderr on one pipe."""
+    return subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "keras-ring-run"), *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.multirank
+def test_every_rank_runs_and_its_lines_are_tagged():
+    script = (
+        "import os\n"
+        "rank = os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))\n"
+        "os.write(1, f'rank {rank}\\n'.encode())"  # one write: ranks' lines cannot interleave
+    )
+    with launch("-np", "2", "--prefix-output", "--verbose", sys.executable, "-c", script) as job:
+        output, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, output
+    assert output.startswith("keras-ring-run: ")
+    for rank in range(2):
+        (line,) = [line for line in output.splitlines() if line.endswith(f"rank {rank}")]
+        assert re.match(rf"(\[{rank}\] |{rank}>|\[\d+,{rank}\]<stdout>:)", line), line
+
+
+RANK_1_SCRIPT = (
+    "import os, signal, sys\n"
+    "if os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK')) == '1': {}"
+)
+
+
+@pytest.mark.multirank
+def test_exit_code_of_a_failing_rank_is_the_jobs():
+    with launch("-np", "2", sys.executable, "-c", RANK_1_SCRIPT.format("sys.exit(3)")) as job:
+        output, _ = job.communicate(timeout=120)
+    assert job.returncode == 3, output
+
+
+@pytest.mark.multirank
+def test_rank_killed_by_a_signal_fails_the_job():
+    statement = "os.kill(os.getpid(), signal.SIGKILL)"
+    with launch("-np", "2", sys.executable, "-c", RANK_1_SCRIPT.format(statement)) as job:
+        output, _ = job.communicate(timeout=120)
+    assert job.returncode != 0, output
+
+
+def is_running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_to_the_launcher_stops_every_rank(signum):
+    script = "import os, time; os.write(1, f'ready {os.getpid()}\\n'.encode()); time.sleep(120)"
+    with launch("-np", "2", sys.executable, "-c", script) as job:
+        pids = []
+        while len(pids) < 2 and (line := job.stdout.readline()):
+            if line.startswith("ready "):
+                pids.append(int(line.split()[1]))
+        job.send_signal(signum)
+        output, _ = job.communicate(timeout=60)
+    assert len(pids) == 2, output
+    assert job.returncode != 0, output
+    assert not [pid for pid in pids if is_running(pid)], output
+
+
+LISTENERS_SCRIPT = r'''
+"""Fails if this rank, or a launcher process above it, listens off loopback."""
+import ipaddress
+import os
+import sys
+
+from mpi4py import MPI
+
+
+def ancestors_up_to_the_launcher():
+    pid, pids = os.getpid(), []
+    while pid > 1:
+        pids.append(pid)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"keras-ring-run" in f.read():
+                return pids
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    return pids
+
+
+def socket_inodes(pid):
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def address(hex_address):
+    host = hex_address.split(":")[0]
+    raw = b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8))
+    ip = ipaddress.ip_address(raw)
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+MPI.COMM_WORLD.Barrier()  # every rank has opened its endpoints
+ours = set().union(*(socket_inodes(pid) for pid in ancestors_up_to_the_launcher()))
+listening = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    with open(table) as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    listening += [address(row[1]) for row in rows if row[3] == "0A" and row[9] in ours]
+print(f"rank {MPI.COMM_WORLD.rank} listens on {sorted(map(str, listening))}", flush=True)
+MPI.COMM_WORLD.Barrier()
+sys.exit(0 if all(ip.is_loopback for ip in listening) else 1)
+'''
+
+
+@pytest.mark.multirank
+def test_one_host_job_listens_on_loopback_only(run_ranks, tmp_path):
+    pytest.importorskip("mpi4py")
+    if _launcher.read_build_info()["mpi_source"] != "pypi-mpich":
+        pytest.skip(
+            "a system MPICH without mpiexec.gforker runs Hydra, which listens on all interfaces"
+        )
+    script = tmp_path / "listeners.py"
+    script.write_text(LISTENERS_SCRIPT)
+    result = run_ranks(2, script, timeout=120)
+    assert result.stdout.count(" listens on ") == 2, result.stdout
+
+
+@pytest.mark.multirank
+def test_ranks_see_the_launcher_they_were_built_for(run_ranks, tmp_path):
+    script = tmp_path / "launcher_env.py"
+    script.write_text(
+        "from keras_ring import _launcher, _mpi_env\n"
+        "_mpi_env.check_launcher_environment(_launcher.read_build_info())\n"
+        "print(f'expected size {_mpi_env.expected_world_size()}')\n"
+    )
+    result = run_ranks(2, script, timeout=120)
+    assert result.stdout.count("expected size 2") == 2, result.stdout
