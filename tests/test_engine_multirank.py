@@ -13,3 +13,15 @@ def test_engine_collectives(run_ranks, np_):
     result = run_ranks(np_, WORKER, timeout=600, env={"KR_TEST_EXPECTED_SIZE": str(np_)})
     for rank in range(np_):
         assert f"rank {rank}: test_restart ok" in result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_rank_that_exits_fails_the_others_instead_of_hanging(run_ranks, np_):
+    worker = os.path.join(os.path.dirname(__file__), "workers", "early_exit_worker.py")
+    result = run_ranks(np_, worker, timeout=120, check=False)
+    assert result.returncode != 0
+    for rank in [0] + list(range(2, np_)):
+        assert f"rank {rank} error: keras-ring: rank 1 shut down" in result.stdout, result.stdout
+        assert "'never.joined'" in result.stdout
+    assert "completed without rank 1" not in result.stdout

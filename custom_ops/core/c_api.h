@@ -90,8 +90,10 @@ typedef struct kr_topology {
  * that will later let the process exit (the MPI "main" thread). Returns
  * KR_OK or an error with a message in err. Calling it twice is a no-op. */
 KR_API kr_status kr_init(char* err, size_t err_len);
-/* Stops the engine; pending requests complete with KR_ABORTED. Collective:
- * returns once every rank has called it. kr_init may be called again. */
+/* Stops the engine of every rank: pending requests, here and on the other
+ * ranks, complete with KR_ABORTED. Returns once every rank's engine has
+ * stopped (each rank must call it, or exit, before it can init again).
+ * kr_init may be called again. */
 KR_API kr_status kr_shutdown(char* err, size_t err_len);
 /* Finalizes MPI if kr_init started it. Called once at process exit. */
 KR_API void kr_finalize(void);

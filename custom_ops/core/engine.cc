@@ -259,21 +259,36 @@ void Engine::Loop() {
       if (got) {
         progress = true;
         Execute(list);
-        if (list.shutdown) break;
+        if (list.shutdown_rank >= 0) break;
       }
       idle_passes = progress ? 0 : idle_passes + 1;
     }
-    for (auto& send : sends_) MPI_Wait(&send.first, MPI_STATUS_IGNORE);
+    // Every rank sends the coordinator exactly one shutdown message (its own
+    // request, or this acknowledgement) and the coordinator waits for all of
+    // them, so no control message is left behind on the communicator.
+    if (!shutdown_sent_) {
+      SendReadyList({}, true);
+      shutdown_sent_ = true;
+    }
+    while (coordinator_ && !coordinator_->AllRequestedShutdown()) {
+      if (!ReceiveReadyLists()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    for (auto& send : sends_) CheckMpi(MPI_Wait(&send.first, MPI_STATUS_IGNORE), "MPI_Wait");
     sends_.clear();
+    StopAccepting(KR_NOT_INITIALIZED, "keras-ring has been shut down");
   } catch (const EngineError& e) {
     // The ranks can no longer be assumed to be in step: fail everything, and
     // refuse new work until shutdown() (which returns at once: no negotiation).
     FailAll(KR_INTERNAL, e.what());
-    std::lock_guard<std::mutex> lock(mu_);
-    running_ = false;
-    for (auto& req : queue_) req.Complete(KR_INTERNAL, e.what());
-    queue_.clear();
+    StopAccepting(KR_INTERNAL, e.what());
   }
+}
+
+void Engine::StopAccepting(kr_status status, const std::string& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  running_ = false;
+  for (auto& req : queue_) req.Complete(status, message + " (tensor '" + req.meta.name + "')");
+  queue_.clear();
 }
 
 void Engine::SendReadyList(std::vector<TensorMeta> metas, bool shutdown) {
@@ -305,21 +320,27 @@ std::vector<char> ReceiveProbed(MPI_Comm comm, const MPI_Status& status) {
 
 }  // namespace
 
-bool Engine::ReceiveOnCoordinator(ResponseList* out) {
+bool Engine::ReceiveReadyLists() {
+  bool any = false;
   for (;;) {
     int flag = 0;
     MPI_Status status;
     CheckMpi(MPI_Iprobe(MPI_ANY_SOURCE, kTagReady, control_comm_, &flag, &status), "MPI_Iprobe");
-    if (!flag) break;
+    if (!flag) return any;
+    any = true;
     std::vector<TensorMeta> metas;
     bool shutdown = false;
     DeserializeMetas(ReceiveProbed(control_comm_, status), &metas, &shutdown);
     for (auto& m : metas) coordinator_->Add(status.MPI_SOURCE, std::move(m), &decided_);
     if (shutdown) coordinator_->RequestShutdown(status.MPI_SOURCE);
   }
+}
+
+bool Engine::ReceiveOnCoordinator(ResponseList* out) {
+  ReceiveReadyLists();
   out->responses.swap(decided_);
-  out->shutdown = coordinator_->AllRequestedShutdown();
-  if (out->responses.empty() && !out->shutdown) return false;
+  out->shutdown_rank = coordinator_->FirstShutdownRank();
+  if (out->responses.empty() && out->shutdown_rank < 0) return false;
   auto bytes = std::make_shared<std::vector<char>>(SerializeResponses(*out));
   for (int r = 0; r < topology_.size; ++r) {
     if (r == kCoordinator) continue;
@@ -359,9 +380,13 @@ void Engine::Execute(const ResponseList& list) {
     pending_.erase(it);
     Run(req, resp);
   }
-  if (list.shutdown) {
-    FailAll(KR_ABORTED, "keras-ring: shutdown() was called while this operation was pending; "
-                        "not every rank submitted it");
+  if (list.shutdown_rank >= 0) {
+    FailAll(KR_ABORTED,
+            list.shutdown_rank == topology_.rank
+                ? "keras-ring: shutdown() was called while this operation was pending"
+                : "keras-ring: rank " + std::to_string(list.shutdown_rank) +
+                      " shut down (shutdown() or its process exiting) while this operation "
+                      "was pending here; it can no longer complete");
   }
 }
 

@@ -55,11 +55,14 @@ class Engine {
   // One pass of the background loop; returns true if anything happened.
   bool Cycle();
   void SendReadyList(std::vector<TensorMeta> metas, bool shutdown);
+  bool ReceiveReadyLists();  // rank 0: records incoming ready lists
   bool ReceiveOnCoordinator(ResponseList* out);
   bool ReceiveResponses(ResponseList* out);
   void Execute(const ResponseList& list);
   void Run(const Request& req, const Response& resp);
   void FailAll(kr_status status, const std::string& message);
+  // The loop has ended: refuse what is queued and whatever comes later.
+  void StopAccepting(kr_status status, const std::string& message);
   void ReapSends();
 
   // Shared between framework threads and the background thread.

@@ -118,7 +118,7 @@ void DeserializeMetas(const std::vector<char>& bytes, std::vector<TensorMeta>* m
 
 std::vector<char> SerializeResponses(const ResponseList& list) {
   Writer w;
-  w.Put<uint8_t>(list.shutdown);
+  w.Put<int32_t>(list.shutdown_rank);
   w.Put<uint64_t>(list.responses.size());
   for (const auto& resp : list.responses) {
     w.PutString(resp.name);
@@ -131,7 +131,7 @@ std::vector<char> SerializeResponses(const ResponseList& list) {
 ResponseList DeserializeResponses(const std::vector<char>& bytes) {
   Reader r(bytes);
   ResponseList list;
-  list.shutdown = r.Get<uint8_t>() != 0;
+  list.shutdown_rank = r.Get<int32_t>();
   list.responses.resize(r.Get<uint64_t>());
   for (auto& resp : list.responses) {
     resp.name = r.GetString();
@@ -199,7 +199,10 @@ Response Coordinator::Decide(const std::string& name, const Entry& entry) const 
   return resp;
 }
 
-void Coordinator::RequestShutdown(int rank) { shutdown_[rank] = true; }
+void Coordinator::RequestShutdown(int rank) {
+  shutdown_[rank] = true;
+  if (first_shutdown_ < 0) first_shutdown_ = rank;
+}
 
 bool Coordinator::AllRequestedShutdown() const {
   for (bool s : shutdown_) {

@@ -40,7 +40,9 @@ struct Response {
 
 struct ResponseList {
   std::vector<Response> responses;
-  bool shutdown = false;             // every rank asked to shut down
+  // A rank shut down (shutdown() or process exit): the job's engine stops and
+  // what is still pending fails on every rank. -1: no shutdown.
+  int shutdown_rank = -1;
 };
 
 // Little-endian-agnostic byte serialisation between processes of one job
@@ -59,6 +61,7 @@ class Coordinator {
   // last rank arrives.
   void Add(int rank, TensorMeta meta, std::vector<Response>* out);
   void RequestShutdown(int rank);
+  int FirstShutdownRank() const { return first_shutdown_; }
   bool AllRequestedShutdown() const;
 
  private:
@@ -72,6 +75,7 @@ class Coordinator {
   int size_;
   std::unordered_map<std::string, Entry> table_;
   std::vector<bool> shutdown_;
+  int first_shutdown_ = -1;
 };
 
 }  // namespace keras_ring
