@@ -17,9 +17,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402  (initialises MPI before keras-ring, which then shares it)
-
 import tensorflow as tf  # noqa: E402
+from mpi4py import MPI  # noqa: E402  (initialises MPI before keras-ring, which then shares it)
 
 import keras_ring as kr  # noqa: E402
 from keras_ring import _engine  # noqa: E402
@@ -69,7 +68,8 @@ def main():
         def mpi4py():
             comm.Allreduce(host, out, op=MPI.SUM)
 
-        methods = {"keras-ring TF op": tf_op, "keras-ring engine": binding, "mpi4py Allreduce": mpi4py}
+        methods = {"keras-ring TF op": tf_op, "keras-ring engine": binding,
+                   "mpi4py Allreduce": mpi4py}
         for fn in methods.values():  # warm up: first-use costs are not what we measure
             fn()
         for name, fn in methods.items():

@@ -5,6 +5,8 @@ collectives on tensors (`allreduce`, `grouped_allreduce`, `allgather`,
 `broadcast`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`.
 """
 
+import importlib
+
 from keras_ring._basics import (
     cross_rank,
     cross_size,
@@ -26,18 +28,38 @@ from keras_ring._reduce_ops import Average, Max, Min, Product, Sum
 
 __version__ = "0.1.0.dev0"
 
-# The collectives need TensorFlow; importing it takes seconds, so it happens on
-# first use (`kr.allreduce`), and the launcher and `kr.init()` stay fast.
-_TF_NAMES = frozenset(["allreduce", "grouped_allreduce", "allgather", "broadcast"])
+# Everything below needs TensorFlow (and Keras); importing them takes seconds,
+# so it happens on first use (`kr.allreduce`), and the launcher and
+# `kr.init()` stay fast. Name -> the module that defines it.
+_LAZY = {
+    "allreduce": "keras_ring._ops",
+    "grouped_allreduce": "keras_ring._ops",
+    "allgather": "keras_ring._ops",
+    "broadcast": "keras_ring._ops",
+    "Compression": "keras_ring._compression",
+    "DistributedOptimizer": "keras_ring._optimizer",
+    "load_model": "keras_ring._optimizer",
+    "DistributedGradientTape": "keras_ring._gradient_tape",
+    "shard_dataset": "keras_ring._data",
+    "rank_zero_verbose": "keras_ring._data",
+}
+
+
+__all__ = [
+    "Average", "Max", "Min", "Product", "Sum",
+    "cross_rank", "cross_size", "cuda_built", "init", "is_homogeneous", "is_initialized",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "rank", "shutdown", "size", "callbacks", *_LAZY,
+]
 
 
 def __getattr__(name):
-    if name in _TF_NAMES:
-        from keras_ring import _ops
-
-        return getattr(_ops, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "callbacks":
+        return importlib.import_module("keras_ring.callbacks")
     raise AttributeError(f"module 'keras_ring' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_TF_NAMES))
+    return sorted(list(globals()) + list(_LAZY) + ["callbacks"])

@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_ring import _basics, _tf_build
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
 from keras_ring._reduce_ops import Average, Max, Min, Product, Sum  # noqa: F401
+
 # The reductions that are linear: differentiable, and computable on
 # tf.IndexedSlices by gathering.
 _LINEAR_OPS = (Average, Sum)

@@ -180,7 +180,9 @@ def gradient(mode, fn, x, upstream):
 def test_gradients(mode):
     x = tf.constant([[1.0, 2.0], [3.0, 4.0]])
     w = tf.constant([[0.5, -1.0], [2.0, 3.0]])
-    scaled = lambda t: kr.allreduce(t, op=kr.Sum, prescale_factor=2.0, postscale_factor=3.0)
+    def scaled(t):
+        return kr.allreduce(t, op=kr.Sum, prescale_factor=2.0, postscale_factor=3.0)
+
     assert_equal(gradient(mode, scaled, x, w), w * 6)
     assert_equal(gradient(mode, kr.allreduce, x, w), w)
     assert_equal(gradient(mode, kr.allgather, x, w), w)

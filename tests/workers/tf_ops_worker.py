@@ -29,7 +29,7 @@ tf.config.threading.set_inter_op_parallelism_threads(2)
 # Tracing in loops is deliberate here; TF's retracing warnings are noise.
 tf.get_logger().setLevel("ERROR")
 
-import keras_ring as kr
+import keras_ring as kr  # noqa: E402
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64]
 OPS = {"Average": kr.Average, "Sum": kr.Sum, "Min": kr.Min, "Max": kr.Max, "Product": kr.Product}
@@ -239,7 +239,9 @@ def check_gradients():
     gw = [inputs(r, (sum(rows), 3), tf.float32, "grad/gw", True) for r in range(SIZE)]
     gathered_grad = np.sum(gw, axis=0)[offsets[RANK] : offsets[RANK + 1]]
     for mode in MODES:
-        scaled = lambda t: kr.allreduce(t, op=kr.Sum, prescale_factor=2.0, postscale_factor=3.0)
+        def scaled(t):
+            return kr.allreduce(t, op=kr.Sum, prescale_factor=2.0, postscale_factor=3.0)
+
         check(f"grad allreduce Sum {mode}", gradient(mode, scaled, x, w), total * 6, tf.float32)
         check(
             f"grad allreduce Average {mode}",
