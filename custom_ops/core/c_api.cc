@@ -51,6 +51,8 @@ kr_status kr_enqueue(const kr_request* request) {
   return Engine::Get().Enqueue(*request);
 }
 
+void kr_get_stats(kr_stats* out) { *out = Engine::Get().stats(); }
+
 const char* kr_mpi_library_version(void) {
   static std::string version = [] {
     char text[MPI_MAX_LIBRARY_VERSION_STRING];

@@ -86,9 +86,18 @@ typedef struct kr_topology {
   int mpi_threads_supported;
 } kr_topology;
 
+/* Counters since the process started, for tests, benchmarks and tuning. */
+typedef struct kr_stats {
+  uint64_t collectives;    /* collectives run (a fused one counts once) */
+  uint64_t tensors;        /* requests completed by them */
+  uint64_t fused_tensors;  /* of those, requests that shared a fused collective */
+} kr_stats;
+
 /* Starts the engine (and MPI if nobody has). Must be called from the thread
  * that will later let the process exit (the MPI "main" thread). Returns
- * KR_OK or an error with a message in err. Calling it twice is a no-op. */
+ * KR_OK or an error with a message in err. Calling it twice is a no-op.
+ * Settings come from the environment: KERAS_RING_FUSION_THRESHOLD (bytes;
+ * HOROVOD_FUSION_THRESHOLD is read too), default 64 MiB, 0 disables fusion. */
 KR_API kr_status kr_init(char* err, size_t err_len);
 /* Stops the engine of every rank: pending requests, here and on the other
  * ranks, complete with KR_ABORTED. Returns once every rank's engine has
@@ -100,6 +109,7 @@ KR_API void kr_finalize(void);
 KR_API int kr_is_initialized(void);
 KR_API kr_status kr_get_topology(kr_topology* out);
 KR_API kr_status kr_enqueue(const kr_request* request);
+KR_API void kr_get_stats(kr_stats* out);
 /* MPI library version string of the MPI we were built against and loaded. */
 KR_API const char* kr_mpi_library_version(void);
 

@@ -1,7 +1,9 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -40,6 +42,26 @@ void SetError(std::string* error, const std::string& message) {
   if (error) *error = message;
 }
 
+constexpr size_t kDefaultFusionThreshold = size_t(64) << 20;
+
+// A byte count from the first of `names` that is set; Horovod's names are read
+// too, so that job scripts written for Horovod keep their tuning.
+size_t SizeSetting(std::initializer_list<const char*> names, size_t fallback) {
+  for (const char* name : names) {
+    const char* text = std::getenv(name);
+    if (!text || !*text) continue;
+    char* end = nullptr;
+    errno = 0;
+    unsigned long long value = std::strtoull(text, &end, 10);
+    if (errno || *end || text[0] == '-') {
+      throw EngineError(std::string("keras-ring: ") + name + " must be a number of bytes. "
+                        "Received: " + name + "=" + text);
+    }
+    return static_cast<size_t>(value);
+  }
+  return fallback;
+}
+
 }  // namespace
 
 Engine& Engine::Get() {
@@ -56,6 +78,8 @@ kr_status Engine::Init(std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (running_) return KR_OK;
   try {
+    fusion_threshold_ = SizeSetting({"KERAS_RING_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"},
+                                    kDefaultFusionThreshold);
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) {
@@ -338,7 +362,8 @@ bool Engine::ReceiveReadyLists() {
 
 bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   ReceiveReadyLists();
-  out->responses.swap(decided_);
+  out->responses = Fuse(std::move(decided_), fusion_threshold_);
+  decided_.clear();
   out->shutdown_rank = coordinator_->FirstShutdownRank();
   if (out->responses.empty() && out->shutdown_rank < 0) return false;
   auto bytes = std::make_shared<std::vector<char>>(SerializeResponses(*out));
@@ -373,12 +398,15 @@ void Engine::ReapSends() {
 
 void Engine::Execute(const ResponseList& list) {
   for (const Response& resp : list.responses) {
-    auto it = pending_.find(resp.name);
-    KR_CHECK(it != pending_.end(), "the coordinator scheduled tensor '" + resp.name +
-                                       "', which this rank has not submitted");
-    Request req = std::move(it->second);
-    pending_.erase(it);
-    Run(req, resp);
+    std::vector<Request> requests;
+    for (const std::string& name : resp.names) {
+      auto it = pending_.find(name);
+      KR_CHECK(it != pending_.end(), "the coordinator scheduled tensor '" + name +
+                                         "', which this rank has not submitted");
+      requests.push_back(std::move(it->second));
+      pending_.erase(it);
+    }
+    Run(requests, resp);
   }
   if (list.shutdown_rank >= 0) {
     FailAll(KR_ABORTED,
@@ -390,69 +418,108 @@ void Engine::Execute(const ResponseList& list) {
   }
 }
 
-void Engine::Run(const Request& req, const Response& resp) {
+void Engine::Run(const std::vector<Request>& requests, const Response& resp) {
   if (!resp.error.empty()) {
-    req.Complete(KR_INVALID_ARGUMENT, resp.error);
+    for (const Request& req : requests) req.Complete(KR_INVALID_ARGUMENT, resp.error);
     return;
   }
-  const TensorMeta& m = req.meta;
-  const size_t esize = DataTypeSize(m.dtype);
+  bool ok = true;
   try {
-    switch (m.collective) {
-      case Collective::kAllreduce: {
-        size_t count = ElementCount(m.shape);
-        if (count && req.output != req.input) std::memcpy(req.output, req.input, count * esize);
-        AllreduceOptions o;
-        o.buffer = req.output;
-        o.count = count;
-        o.dtype = m.dtype;
-        o.op = m.op;
-        o.prescale_factor = m.prescale_factor;
-        o.postscale_factor = m.postscale_factor;
-        RingAllreduce(*transport_, o);
+    switch (requests[0].meta.collective) {
+      case Collective::kAllreduce:
+        RunAllreduce(requests);
         break;
-      }
-      case Collective::kBroadcast: {
-        size_t bytes = ElementCount(m.shape) * esize;
-        if (bytes && topology_.rank == m.root_rank && req.output != req.input) {
-          std::memcpy(req.output, req.input, bytes);
-        }
-        BroadcastOptions o;
-        o.buffer = req.output;
-        o.bytes = bytes;
-        o.root = m.root_rank;
-        Broadcast(*transport_, o);
+      case Collective::kBroadcast:
+        RunBroadcast(requests[0]);
         break;
-      }
-      case Collective::kAllgather: {
-        const size_t row_bytes = ElementCount(m.shape, 1) * esize;
-        std::vector<int64_t> out_shape = m.shape;
-        out_shape[0] = std::accumulate(resp.first_dims.begin(), resp.first_dims.end(), int64_t{0});
-        AllgatherOptions o;
-        for (int64_t d : resp.first_dims) o.block_bytes.push_back(static_cast<size_t>(d) * row_bytes);
-        o.input = req.input;
-        const size_t out_bytes = static_cast<size_t>(out_shape[0]) * row_bytes;
-        void* out = req.allocate_output(req.ctx, static_cast<int>(out_shape.size()), out_shape.data());
-        // NULL is a failure only when there are bytes to hold (an empty
-        // tensor may have no buffer). Without an output this rank must still
-        // take part, or the others hang.
-        const bool failed = !out && out_bytes > 0;
-        std::vector<char> scratch(failed ? out_bytes : 0);
-        o.output = failed ? scratch.data() : out;
-        RingAllgather(*transport_, o);
-        if (failed) {
-          req.Complete(KR_INTERNAL, "keras-ring: could not allocate the output of allgather for "
-                                    "tensor '" + m.name + "'");
-          return;
-        }
+      case Collective::kAllgather:
+        ok = RunAllgather(requests[0], resp);
         break;
-      }
     }
   } catch (const EngineError& e) {
-    req.Complete(KR_INTERNAL, std::string(e.what()) + " (tensor '" + m.name + "')");
+    for (const Request& req : requests) {
+      req.Complete(KR_INTERNAL, std::string(e.what()) + " (tensor '" + req.meta.name + "')");
+    }
     throw;
   }
-  req.Complete(KR_OK, "");
+  stats_.collectives += 1;
+  stats_.tensors += requests.size();
+  if (requests.size() > 1) stats_.fused_tensors += requests.size();
+  if (!ok) return;
+  for (const Request& req : requests) req.Complete(KR_OK, "");
+}
+
+void Engine::RunAllreduce(const std::vector<Request>& requests) {
+  const TensorMeta& m = requests[0].meta;
+  const size_t esize = DataTypeSize(m.dtype);
+  AllreduceOptions o;
+  o.dtype = m.dtype;
+  o.op = m.op;
+  o.prescale_factor = m.prescale_factor;
+  o.postscale_factor = m.postscale_factor;
+  if (requests.size() == 1) {
+    const Request& req = requests[0];
+    o.count = ElementCount(m.shape);
+    if (o.count && req.output != req.input) std::memcpy(req.output, req.input, o.count * esize);
+    o.buffer = req.output;
+    RingAllreduce(*transport_, o);
+    return;
+  }
+  // Fused: pack every input into one buffer, reduce once, unpack. Packing is
+  // a copy either way: unfused, each input is copied to its output first.
+  for (const Request& req : requests) o.count += ElementCount(req.meta.shape);
+  if (fusion_buffer_.size() < o.count * esize) fusion_buffer_.resize(o.count * esize);
+  char* packed = fusion_buffer_.data();
+  for (const Request& req : requests) {
+    const size_t bytes = ElementCount(req.meta.shape) * esize;
+    if (bytes) std::memcpy(packed, req.input, bytes);
+    packed += bytes;
+  }
+  o.buffer = fusion_buffer_.data();
+  RingAllreduce(*transport_, o);
+  packed = fusion_buffer_.data();
+  for (const Request& req : requests) {
+    const size_t bytes = ElementCount(req.meta.shape) * esize;
+    if (bytes) std::memcpy(req.output, packed, bytes);
+    packed += bytes;
+  }
+}
+
+void Engine::RunBroadcast(const Request& req) {
+  const TensorMeta& m = req.meta;
+  const size_t bytes = ElementCount(m.shape) * DataTypeSize(m.dtype);
+  if (bytes && topology_.rank == m.root_rank && req.output != req.input) {
+    std::memcpy(req.output, req.input, bytes);
+  }
+  BroadcastOptions o;
+  o.buffer = req.output;
+  o.bytes = bytes;
+  o.root = m.root_rank;
+  Broadcast(*transport_, o);
+}
+
+bool Engine::RunAllgather(const Request& req, const Response& resp) {
+  const TensorMeta& m = req.meta;
+  const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
+  std::vector<int64_t> out_shape = m.shape;
+  out_shape[0] = std::accumulate(resp.first_dims.begin(), resp.first_dims.end(), int64_t{0});
+  AllgatherOptions o;
+  for (int64_t d : resp.first_dims) o.block_bytes.push_back(static_cast<size_t>(d) * row_bytes);
+  o.input = req.input;
+  const size_t out_bytes = static_cast<size_t>(out_shape[0]) * row_bytes;
+  void* out = req.allocate_output(req.ctx, static_cast<int>(out_shape.size()), out_shape.data());
+  // NULL is a failure only when there are bytes to hold (an empty tensor may
+  // have no buffer). Without an output this rank must still take part, or the
+  // others hang.
+  const bool failed = !out && out_bytes > 0;
+  std::vector<char> scratch(failed ? out_bytes : 0);
+  o.output = failed ? scratch.data() : out;
+  RingAllgather(*transport_, o);
+  if (failed) {
+    req.Complete(KR_INTERNAL, "keras-ring: could not allocate the output of allgather for "
+                              "tensor '" + m.name + "'");
+  }
+  return !failed;
 }
 
 void Engine::FailAll(kr_status status, const std::string& message) {

@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -46,6 +47,9 @@ class Engine {
   void Finalize();
   bool initialized() const;
   kr_topology topology() const { return topology_; }
+  kr_stats stats() const {
+    return {stats_.collectives.load(), stats_.tensors.load(), stats_.fused_tensors.load()};
+  }
   // Validates and queues; on refusal calls done itself and returns the status.
   kr_status Enqueue(const kr_request& request);
 
@@ -59,7 +63,11 @@ class Engine {
   bool ReceiveOnCoordinator(ResponseList* out);
   bool ReceiveResponses(ResponseList* out);
   void Execute(const ResponseList& list);
-  void Run(const Request& req, const Response& resp);
+  // Runs one agreed collective (several requests when fused).
+  void Run(const std::vector<Request>& requests, const Response& resp);
+  void RunAllreduce(const std::vector<Request>& requests);
+  void RunBroadcast(const Request& req);
+  bool RunAllgather(const Request& req, const Response& resp);  // false: failed, completed
   void FailAll(kr_status status, const std::string& message);
   // The loop has ended: refuse what is queued and whatever comes later.
   void StopAccepting(kr_status status, const std::string& message);
@@ -81,6 +89,11 @@ class Engine {
   // Control messages in flight with the bytes they send from.
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
   std::unique_ptr<Transport> transport_;
+  size_t fusion_threshold_ = 0;
+  std::vector<char> fusion_buffer_;  // grows to the largest fused collective
+  struct {
+    std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0};
+  } stats_;
 
   MPI_Comm control_comm_ = MPI_COMM_NULL;
   MPI_Comm data_comm_ = MPI_COMM_NULL;

@@ -121,7 +121,8 @@ std::vector<char> SerializeResponses(const ResponseList& list) {
   w.Put<int32_t>(list.shutdown_rank);
   w.Put<uint64_t>(list.responses.size());
   for (const auto& resp : list.responses) {
-    w.PutString(resp.name);
+    w.Put<uint64_t>(resp.names.size());
+    for (const auto& name : resp.names) w.PutString(name);
     w.PutString(resp.error);
     w.PutDims(resp.first_dims);
   }
@@ -134,7 +135,8 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes) {
   list.shutdown_rank = r.Get<int32_t>();
   list.responses.resize(r.Get<uint64_t>());
   for (auto& resp : list.responses) {
-    resp.name = r.GetString();
+    resp.names.resize(r.Get<uint64_t>());
+    for (auto& name : resp.names) name = r.GetString();
     resp.error = r.GetString();
     resp.first_dims = r.GetDims();
   }
@@ -161,8 +163,12 @@ void Coordinator::Add(int rank, TensorMeta meta, std::vector<Response>* out) {
 
 Response Coordinator::Decide(const std::string& name, const Entry& entry) const {
   Response resp;
-  resp.name = name;
+  resp.names = {name};
   const TensorMeta& first = entry.metas[0];
+  resp.meta = first;
+  size_t count = 1;
+  for (int64_t d : first.shape) count *= static_cast<size_t>(d);
+  resp.bytes = count * DataTypeSize(first.dtype);
   bool agree = true;
   for (int r = 1; r < size_ && agree; ++r) {
     const TensorMeta& m = entry.metas[r];
@@ -197,6 +203,42 @@ Response Coordinator::Decide(const std::string& name, const Entry& entry) const 
     for (const auto& m : entry.metas) resp.first_dims.push_back(m.shape.empty() ? 0 : m.shape[0]);
   }
   return resp;
+}
+
+namespace {
+
+bool Fusable(const Response& r) {
+  return r.error.empty() && r.meta.collective == Collective::kAllreduce;
+}
+
+bool SameReduction(const TensorMeta& a, const TensorMeta& b) {
+  return a.dtype == b.dtype && a.op == b.op && a.prescale_factor == b.prescale_factor &&
+         a.postscale_factor == b.postscale_factor;
+}
+
+}  // namespace
+
+std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
+  std::vector<Response> out;
+  std::vector<bool> taken(responses.size(), false);
+  for (size_t i = 0; i < responses.size(); ++i) {
+    if (taken[i]) continue;
+    Response fused = std::move(responses[i]);
+    if (Fusable(fused)) {
+      for (size_t j = i + 1; j < responses.size(); ++j) {
+        const Response& next = responses[j];
+        if (taken[j] || !Fusable(next) || !SameReduction(fused.meta, next.meta) ||
+            fused.bytes + next.bytes > threshold) {
+          continue;
+        }
+        fused.names.push_back(next.names[0]);
+        fused.bytes += next.bytes;
+        taken[j] = true;
+      }
+    }
+    out.push_back(std::move(fused));
+  }
+  return out;
 }
 
 void Coordinator::RequestShutdown(int rank) {

@@ -31,12 +31,24 @@ struct TensorMeta {
   std::string Describe() const;  // "float32[2,3] Sum" and the like, for errors
 };
 
-// The coordinator's decision about one name. Later: several names fused.
+// The coordinator's decision about one tensor, or several fused into one
+// collective (allreduces of the same dtype, op and scale factors).
 struct Response {
-  std::string name;
+  std::vector<std::string> names;
   std::string error;                 // empty when the ranks agree
   std::vector<int64_t> first_dims;   // allgather: each rank's first dimension
+
+  // Known to the coordinator only (not sent): what fusion compares.
+  TensorMeta meta;                   // rank 0's view
+  size_t bytes = 0;
 };
+
+// Packs consecutive-or-later allreduce responses that agree on dtype, op and
+// scale factors into fused responses of at most `threshold` bytes (a tensor
+// larger than the threshold goes alone). Order of first appearance is kept;
+// other responses pass through unchanged. Every rank runs the result in the
+// same order, so the choice needs no further agreement.
+std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold);
 
 struct ResponseList {
   std::vector<Response> responses;

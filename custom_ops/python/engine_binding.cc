@@ -196,6 +196,15 @@ PYBIND11_MODULE(_engine, m) {
     d["mpi_threads_supported"] = t.mpi_threads_supported != 0;
     return d;
   });
+  m.def("stats", [] {
+    kr_stats s;
+    kr_get_stats(&s);
+    py::dict d;
+    d["collectives"] = s.collectives;
+    d["tensors"] = s.tensors;
+    d["fused_tensors"] = s.fused_tensors;
+    return d;
+  }, "Counters since the process started: collectives run, tensors completed, fused tensors.");
   m.def("mpi_library_version", [] { return std::string(kr_mpi_library_version()); });
 
   py::class_<Handle>(m, "Handle")

@@ -155,6 +155,24 @@ def test_out_of_order(rank, size):
         check(names[i], handles[i].wait(), np.full(1 + (i * 37) % 3000, want), exact=True)
 
 
+def test_fusion(rank, size):
+    """Many small tensors of mixed dtypes, ops and sizes in flight at once, as fusion sees them."""
+    cases = []
+    for i in range(300):
+        dtype = DTYPES[i % len(DTYPES)]
+        op = ["Sum", "Average", "Max"][i % 3]
+        cases.append((f"fuse.{i}", dtype, op, [0, 1, 7, 1001, 5000][i % 5]))
+    handles = [submit(_engine.ALLREDUCE, data(rank, n, dtype, op, i), name, op=OPS[op])
+               for i, (name, dtype, op, n) in enumerate(cases)]
+    for i, ((name, dtype, op, n), handle) in enumerate(zip(cases, handles)):
+        want = reference([data(r, n, dtype, op, i) for r in range(size)], dtype, op, 1.0, 1.0)
+        is_int = np.issubdtype(np.dtype(dtype), np.integer)
+        check(name, handle.wait(), want, exact=is_int or op != "Average")
+    stats = _engine.stats()
+    if stats["tensors"] < len(cases):
+        fail(f"engine counted {stats['tensors']} tensors after {len(cases)} requests")
+
+
 def expect_error(handle, exc_type, *fragments):
     try:
         handle.wait()
@@ -187,9 +205,16 @@ def test_mismatch(rank, size):
 
 
 def test_duplicate_name(rank, size):
-    a = submit(_engine.ALLREDUCE, np.ones(3, np.float32), "dup", op=OPS["Sum"])
-    b = submit(_engine.ALLREDUCE, np.ones(3, np.float32), "dup", op=OPS["Sum"])
-    expect_error(b, ValueError, "dup", "in flight")
+    """Rank 1 submits "dup" twice; the others submit it only after rank 1 has seen its
+    error (ordered by the "dup.sync" allreduce), so the first "dup" is surely in flight."""
+    ones = np.ones(3, np.float32)
+    if rank == 1:
+        a = submit(_engine.ALLREDUCE, ones, "dup", op=OPS["Sum"])
+        expect_error(submit(_engine.ALLREDUCE, ones, "dup", op=OPS["Sum"]), ValueError,
+                     "dup", "in flight")
+    submit(_engine.ALLREDUCE, ones, "dup.sync", op=OPS["Sum"]).wait()
+    if rank != 1:
+        a = submit(_engine.ALLREDUCE, ones, "dup", op=OPS["Sum"])
     check("dup", a.wait(), np.full(3, size), exact=True)
 
 
@@ -211,7 +236,7 @@ def main():
     if size != expected:
         fail(f"size {size}, expected {expected}")
     for test in (test_allreduce, test_allgather, test_broadcast, test_out_of_order,
-                 test_mismatch, test_duplicate_name, test_restart):
+                 test_fusion, test_mismatch, test_duplicate_name, test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)
 

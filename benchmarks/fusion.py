@@ -1,0 +1,113 @@
+"""Many small allreduces at once: fused by the engine, unfused, one big one, mpi4py one by one.
+
+    keras-ring-run -np 2 python benchmarks/fusion.py [--iters 20]
+
+For 100 x 4 KiB and 1000 x 1 KiB float32 tensors submitted together through
+the engine binding, rank 0 prints the median time of: keras-ring with fusion
+(KERAS_RING_FUSION_THRESHOLD's default), keras-ring with fusion off
+(threshold 0), one keras-ring allreduce of the same total bytes, and one
+mpi4py `Allreduce` per tensor (what a naive per-gradient hook costs), each as a
+multiple of one mpi4py `Allreduce` of the total bytes. Writes JSON and a PNG
+plot to benchmarks/results/.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI  # initialises MPI first; keras-ring shares it
+
+import keras_ring as kr
+from keras_ring import _engine
+
+CASES = [(100, 4096), (1000, 1024)]
+
+
+def median_seconds(fn, iters, comm):
+    times = []
+    for _ in range(iters):
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
+
+
+def engine_many(tensors, tag):
+    def run():
+        handles = [_engine.submit(_engine.ALLREDUCE, t, f"{tag}.{i}", op=kr.Sum)
+                   for i, t in enumerate(tensors)]
+        for h in handles:
+            h.wait()
+    return run
+
+
+def measure(comm, iters, fusion):
+    """Times every method for every case with fusion on or off (engine re-initialised)."""
+    kr.shutdown()
+    os.environ["KERAS_RING_FUSION_THRESHOLD"] = str(64 << 20) if fusion else "0"
+    kr.init()
+    rows = []
+    for count, nbytes in CASES:
+        tensors = [np.full(nbytes // 4, 1.0, np.float32) for _ in range(count)]
+        big = np.concatenate(tensors)
+        out = np.empty_like(big)
+        label = f"{count} x {nbytes // 1024} KiB"
+        methods = {f"keras-ring, fusion {'on' if fusion else 'off'}":
+                   engine_many(tensors, f"{label}.{fusion}")}
+        if fusion:
+            methods["keras-ring, one allreduce of the total"] = lambda: _engine.submit(
+                _engine.ALLREDUCE, big, "total", op=kr.Sum).wait()
+            methods["mpi4py, one Allreduce per tensor"] = lambda: [
+                comm.Allreduce(t, out[: t.size], op=MPI.SUM) for t in tensors]
+            methods["mpi4py, one Allreduce of the total"] = lambda: comm.Allreduce(
+                big, out, op=MPI.SUM)
+        for name, fn in methods.items():
+            fn()  # warm up
+            rows.append({"case": label, "method": name, "seconds": median_seconds(fn, iters, comm)})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    kr.init()
+    rows = measure(comm, args.iters, fusion=True) + measure(comm, args.iters, fusion=False)
+    if kr.rank() != 0:
+        return
+    base = {r["case"]: r["seconds"] for r in rows
+            if r["method"] == "mpi4py, one Allreduce of the total"}
+    print(f"\nsmall-tensor allreduce, float32, {kr.size()} ranks, median of {args.iters}")
+    print(f"{'case':<16}{'method':<42}{'time ms':>10}{'x one mpi4py':>14}")
+    for r in sorted(rows, key=lambda r: (r["case"], r["seconds"])):
+        r["vs_one_mpi4py_allreduce"] = r["seconds"] / base[r["case"]]
+        print(f"{r['case']:<16}{r['method']:<42}{r['seconds'] * 1e3:>10.2f}"
+              f"{r['vs_one_mpi4py_allreduce']:>14.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"fusion_{kr.size()}ranks")
+    with open(stem + ".json", "w") as f:
+        json.dump({"ranks": kr.size(), "iters": args.iters, "rows": rows}, f, indent=2)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CASES), figsize=(11, 3.8))
+    for ax, (count, nbytes) in zip(axes, CASES):
+        label = f"{count} x {nbytes // 1024} KiB"
+        pts = sorted((r for r in rows if r["case"] == label), key=lambda r: r["seconds"])
+        ax.barh([r["method"] for r in pts], [r["seconds"] * 1e3 for r in pts])
+        ax.set_title(label)
+        ax.set_xlabel("ms")
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=100)
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()

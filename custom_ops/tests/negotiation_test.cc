@@ -1,0 +1,148 @@
+// The coordinator's table, its agreement checks, fusion and the wire format,
+// without MPI.
+#include <string>
+#include <vector>
+
+#include "../core/negotiation.h"
+#include "harness.h"
+
+namespace kr_test {
+namespace {
+
+using namespace keras_ring;
+
+TensorMeta Allreduce(const std::string& name, std::vector<int64_t> shape,
+                     DataType dtype = DataType::kFloat32, ReduceOp op = ReduceOp::kSum) {
+  TensorMeta m;
+  m.name = name;
+  m.collective = Collective::kAllreduce;
+  m.dtype = dtype;
+  m.op = op;
+  m.shape = std::move(shape);
+  return m;
+}
+
+// Every rank submits `metas` (rank r's list in its own order); returns the
+// decisions in the order the coordinator made them.
+std::vector<Response> Agree(int size, const std::vector<std::vector<TensorMeta>>& by_rank) {
+  Coordinator c(size);
+  std::vector<Response> out;
+  for (int r = 0; r < size; ++r) {
+    for (const TensorMeta& m : by_rank[r]) c.Add(r, m, &out);
+  }
+  return out;
+}
+
+KR_TEST(NameIsDecidedWhenTheLastRankArrives) {
+  Coordinator c(3);
+  std::vector<Response> out;
+  c.Add(0, Allreduce("a", {4}), &out);
+  c.Add(2, Allreduce("a", {4}), &out);
+  KR_EXPECT_EQ(out.size(), 0u);
+  c.Add(1, Allreduce("a", {4}), &out);
+  KR_EXPECT_EQ(out.size(), 1u);
+  KR_EXPECT_EQ(out[0].names.size(), 1u);
+  KR_EXPECT_EQ(out[0].names[0], std::string("a"));
+  KR_EXPECT(out[0].error.empty());
+  KR_EXPECT_EQ(out[0].bytes, 16u);
+}
+
+KR_TEST(DifferentSubmissionOrdersGiveOneOrder) {
+  auto out = Agree(2, {{Allreduce("a", {1}), Allreduce("b", {1})},
+                       {Allreduce("b", {1}), Allreduce("a", {1})}});
+  KR_EXPECT_EQ(out.size(), 2u);
+  KR_EXPECT_EQ(out[0].names[0], std::string("b"));  // completed first, on rank 1's "b"
+  KR_EXPECT_EQ(out[1].names[0], std::string("a"));
+}
+
+KR_TEST(DisagreementNamesTheTensorAndEveryRanksView) {
+  auto out = Agree(2, {{Allreduce("w", {4})}, {Allreduce("w", {5}, DataType::kFloat64)}});
+  KR_EXPECT_EQ(out.size(), 1u);
+  const std::string& e = out[0].error;
+  KR_EXPECT(e.find("'w'") != std::string::npos);
+  KR_EXPECT(e.find("rank 0 sent allreduce of float32[4]") != std::string::npos);
+  KR_EXPECT(e.find("rank 1 sent allreduce of float64[5]") != std::string::npos);
+  out = Agree(2, {{Allreduce("o", {4})}, {Allreduce("o", {4}, DataType::kFloat32,
+                                                    ReduceOp::kMax)}});
+  KR_EXPECT(out[0].error.find("op=max") != std::string::npos);
+}
+
+KR_TEST(AllgatherMayDifferInTheFirstDimensionOnly) {
+  TensorMeta a = Allreduce("g", {2, 3});
+  a.collective = Collective::kAllgather;
+  TensorMeta b = a;
+  b.shape = {5, 3};
+  auto out = Agree(2, {{a}, {b}});
+  KR_EXPECT(out[0].error.empty());
+  KR_EXPECT(out[0].first_dims == std::vector<int64_t>({2, 5}));
+  b.shape = {5, 4};
+  out = Agree(2, {{a}, {b}});
+  KR_EXPECT(!out[0].error.empty());
+}
+
+KR_TEST(FusionGroupsAgreeingAllreducesUpToTheThreshold) {
+  std::vector<Response> decided = Agree(1, {{
+      Allreduce("a", {10}),                                   // 40 bytes
+      Allreduce("b", {10}, DataType::kFloat64),               // other dtype
+      Allreduce("c", {10}),                                   // fuses with a
+      Allreduce("d", {10}, DataType::kFloat32, ReduceOp::kMax),  // other op
+      Allreduce("e", {20}),                                   // 80 bytes: over 120 with a+c
+      Allreduce("f", {5}),                                    // fits with a+c
+  }});
+  auto fused = Fuse(decided, 120);
+  KR_EXPECT_EQ(fused.size(), 4u);
+  KR_EXPECT(fused[0].names == std::vector<std::string>({"a", "c", "f"}));
+  KR_EXPECT_EQ(fused[0].bytes, 100u);
+  KR_EXPECT(fused[1].names == std::vector<std::string>({"b"}));
+  KR_EXPECT(fused[2].names == std::vector<std::string>({"d"}));
+  KR_EXPECT(fused[3].names == std::vector<std::string>({"e"}));
+  // Threshold 0: every tensor alone.
+  KR_EXPECT_EQ(Fuse(decided, 0).size(), decided.size());
+}
+
+KR_TEST(FusionLeavesErrorsAndOtherCollectivesAlone) {
+  TensorMeta g = Allreduce("g", {2});
+  g.collective = Collective::kAllgather;
+  auto decided = Agree(2, {{Allreduce("a", {1}), g, Allreduce("bad", {1}), Allreduce("c", {1})},
+                           {Allreduce("a", {1}), g, Allreduce("bad", {2}), Allreduce("c", {1})}});
+  auto fused = Fuse(decided, 1 << 20);
+  KR_EXPECT_EQ(fused.size(), 3u);
+  KR_EXPECT(fused[0].names == std::vector<std::string>({"a", "c"}));
+  KR_EXPECT(fused[1].names == std::vector<std::string>({"g"}));
+  KR_EXPECT(fused[2].names == std::vector<std::string>({"bad"}));
+  KR_EXPECT(!fused[2].error.empty());
+}
+
+KR_TEST(WireFormatRoundTrips) {
+  std::vector<TensorMeta> metas = {Allreduce("x", {2, 3}, DataType::kBFloat16, ReduceOp::kProduct),
+                                   Allreduce("", {})};
+  metas[0].prescale_factor = 0.5;
+  metas[1].collective = Collective::kBroadcast;
+  metas[1].root_rank = 2;
+  std::vector<TensorMeta> back;
+  bool shutdown = false;
+  DeserializeMetas(SerializeMetas(metas, true), &back, &shutdown);
+  KR_EXPECT(shutdown);
+  KR_EXPECT_EQ(back.size(), 2u);
+  KR_EXPECT_EQ(back[0].Describe(), metas[0].Describe());
+  KR_EXPECT_EQ(back[1].Describe(), metas[1].Describe());
+
+  ResponseList list;
+  list.shutdown_rank = 1;
+  list.responses.resize(2);
+  list.responses[0].names = {"a", "b"};
+  list.responses[1].names = {"g"};
+  list.responses[1].error = "bad";
+  list.responses[1].first_dims = {1, 0, 7};
+  ResponseList got = DeserializeResponses(SerializeResponses(list));
+  KR_EXPECT_EQ(got.shutdown_rank, 1);
+  KR_EXPECT(got.responses[0].names == list.responses[0].names);
+  KR_EXPECT_EQ(got.responses[1].error, std::string("bad"));
+  KR_EXPECT(got.responses[1].first_dims == list.responses[1].first_dims);
+  std::vector<char> truncated = SerializeResponses(list);
+  truncated.resize(truncated.size() - 3);
+  KR_EXPECT_THROW(DeserializeResponses(truncated), EngineError, "truncated");
+}
+
+}  // namespace
+}  // namespace kr_test
