@@ -96,8 +96,11 @@ typedef struct kr_stats {
 /* Starts the engine (and MPI if nobody has). Must be called from the thread
  * that will later let the process exit (the MPI "main" thread). Returns
  * KR_OK or an error with a message in err. Calling it twice is a no-op.
- * Settings come from the environment: KERAS_RING_FUSION_THRESHOLD (bytes;
- * HOROVOD_FUSION_THRESHOLD is read too), default 64 MiB, 0 disables fusion. */
+ * Settings come from the environment (Horovod's names are read too):
+ * KERAS_RING_FUSION_THRESHOLD (bytes, default 64 MiB, 0 disables fusion),
+ * KERAS_RING_STALL_CHECK_TIME (seconds, default 60, 0 disables the report of
+ * tensors some ranks wait for), KERAS_RING_STALL_SHUTDOWN_TIME (seconds,
+ * default 0 = never: after it, a stalled tensor fails on the waiting ranks). */
 KR_API kr_status kr_init(char* err, size_t err_len);
 /* Stops the engine of every rank: pending requests, here and on the other
  * ranks, complete with KR_ABORTED. Returns once every rank's engine has

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -43,24 +44,39 @@ void SetError(std::string* error, const std::string& message) {
 }
 
 constexpr size_t kDefaultFusionThreshold = size_t(64) << 20;
+constexpr double kDefaultStallCheckSeconds = 60;
+// How often an otherwise idle coordinator wakes to receive ready lists and
+// look for stalls: once a second costs nothing measurable.
+constexpr auto kStallTick = std::chrono::seconds(1);
 
-// A byte count from the first of `names` that is set; Horovod's names are read
-// too, so that job scripts written for Horovod keep their tuning.
-size_t SizeSetting(std::initializer_list<const char*> names, size_t fallback) {
+// The first of `names` that is set, parsed by `parse`; Horovod's names are
+// read too, so that job scripts written for Horovod keep their tuning.
+template <typename T>
+T Setting(std::initializer_list<const char*> names, T fallback, const char* what,
+          T (*parse)(const char*, char**)) {
   for (const char* name : names) {
     const char* text = std::getenv(name);
     if (!text || !*text) continue;
     char* end = nullptr;
     errno = 0;
-    unsigned long long value = std::strtoull(text, &end, 10);
+    T value = parse(text, &end);
     if (errno || *end || text[0] == '-') {
-      throw EngineError(std::string("keras-ring: ") + name + " must be a number of bytes. "
-                        "Received: " + name + "=" + text);
+      throw EngineError(std::string("keras-ring: ") + name + " must be " + what +
+                        ". Received: " + name + "=" + text);
     }
-    return static_cast<size_t>(value);
+    return value;
   }
   return fallback;
 }
+
+unsigned long long ParseCount(const char* text, char** end) { return std::strtoull(text, end, 10); }
+double ParseSeconds(const char* text, char** end) { return std::strtod(text, end); }
+
+std::chrono::steady_clock::duration Seconds(double s) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(s));
+}
+
 
 }  // namespace
 
@@ -78,8 +94,15 @@ kr_status Engine::Init(std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (running_) return KR_OK;
   try {
-    fusion_threshold_ = SizeSetting({"KERAS_RING_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"},
-                                    kDefaultFusionThreshold);
+    fusion_threshold_ = Setting<unsigned long long>(
+        {"KERAS_RING_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"}, kDefaultFusionThreshold,
+        "a number of bytes", ParseCount);
+    stall_check_ = Seconds(Setting<double>(
+        {"KERAS_RING_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"},
+        kDefaultStallCheckSeconds, "a number of seconds", ParseSeconds));
+    stall_shutdown_ = Seconds(Setting<double>(
+        {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"}, 0.0,
+        "a number of seconds", ParseSeconds));
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) {
@@ -247,7 +270,10 @@ void Engine::Loop() {
         std::unique_lock<std::mutex> lock(mu_);
         auto has_news = [&] { return !queue_.empty() || (shutdown_requested_ && !shutdown_sent_); };
         bool in_flight = !pending_.empty() || shutdown_sent_ || !sends_.empty();
-        if (!in_flight) {
+        bool watching_stalls = coordinator_ && (stall_check_.count() || stall_shutdown_.count());
+        if (!in_flight && watching_stalls) {
+          cv_.wait_for(lock, kStallTick, has_news);
+        } else if (!in_flight) {
           cv_.wait(lock, has_news);
         } else if (idle_passes > kSpinPasses && !has_news()) {
           cv_.wait_for(lock, PollSleep(idle_passes), has_news);
@@ -362,6 +388,13 @@ bool Engine::ReceiveReadyLists() {
 
 bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   ReceiveReadyLists();
+  const auto now = Coordinator::Clock::now();
+  if (stall_check_.count()) {
+    for (const std::string& line : coordinator_->StallReports(now, stall_check_)) {
+      std::fprintf(stderr, "keras-ring: warning: %s\n", line.c_str());
+    }
+  }
+  if (stall_shutdown_.count()) coordinator_->FailStalled(now, stall_shutdown_, &decided_);
   out->responses = Fuse(std::move(decided_), fusion_threshold_);
   decided_.clear();
   out->shutdown_rank = coordinator_->FirstShutdownRank();
@@ -401,6 +434,8 @@ void Engine::Execute(const ResponseList& list) {
     std::vector<Request> requests;
     for (const std::string& name : resp.names) {
       auto it = pending_.find(name);
+      // Only a stalled name reaches ranks that never submitted it.
+      if (it == pending_.end() && !resp.error.empty()) continue;
       KR_CHECK(it != pending_.end(), "the coordinator scheduled tensor '" + name +
                                          "', which this rank has not submitted");
       requests.push_back(std::move(it->second));
@@ -420,7 +455,7 @@ void Engine::Execute(const ResponseList& list) {
 
 void Engine::Run(const std::vector<Request>& requests, const Response& resp) {
   if (!resp.error.empty()) {
-    for (const Request& req : requests) req.Complete(KR_INVALID_ARGUMENT, resp.error);
+    for (const Request& req : requests) req.Complete(resp.status, resp.error);
     return;
   }
   bool ok = true;

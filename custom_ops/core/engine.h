@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -90,6 +91,7 @@ class Engine {
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
   std::unique_ptr<Transport> transport_;
   size_t fusion_threshold_ = 0;
+  std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective
   struct {
     std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0};

@@ -124,6 +124,7 @@ std::vector<char> SerializeResponses(const ResponseList& list) {
     w.Put<uint64_t>(resp.names.size());
     for (const auto& name : resp.names) w.PutString(name);
     w.PutString(resp.error);
+    w.Put<int32_t>(resp.status);
     w.PutDims(resp.first_dims);
   }
   return w.Take();
@@ -138,16 +139,19 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes) {
     resp.names.resize(r.Get<uint64_t>());
     for (auto& name : resp.names) name = r.GetString();
     resp.error = r.GetString();
+    resp.status = static_cast<kr_status>(r.Get<int32_t>());
     resp.first_dims = r.GetDims();
   }
   return list;
 }
 
-void Coordinator::Add(int rank, TensorMeta meta, std::vector<Response>* out) {
+void Coordinator::Add(int rank, TensorMeta meta, std::vector<Response>* out,
+                      Clock::time_point now) {
   Entry& e = table_[meta.name];
   if (e.metas.empty()) {
     e.metas.resize(size_);
     e.present.assign(size_, false);
+    e.first_seen = now;
   }
   // A rank's engine refuses a name it already has in flight, so a repeat here
   // means the ranks' engines disagree: fail the name rather than guess.
@@ -197,6 +201,7 @@ Response Coordinator::Decide(const std::string& name, const Entry& entry) const 
     for (int r = 0; r < size_; ++r) s << (r ? ";" : "") << " rank " << r << " sent "
                                       << entry.metas[r].Describe();
     resp.error = s.str();
+    resp.status = KR_INVALID_ARGUMENT;
     return resp;
   }
   if (first.collective == Collective::kAllgather) {
@@ -239,6 +244,53 @@ std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
     out.push_back(std::move(fused));
   }
   return out;
+}
+
+std::string Coordinator::Stall(const std::string& name, const Entry& e,
+                               Clock::time_point now) const {
+  std::ostringstream waiting, missing;
+  for (int r = 0; r < size_; ++r) {
+    std::ostringstream& s = e.present[r] ? waiting : missing;
+    s << (s.tellp() > 0 ? ", " : "") << r;
+  }
+  const TensorMeta& m = e.metas[std::find(e.present.begin(), e.present.end(), true) -
+                                e.present.begin()];
+  auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now - e.first_seen).count();
+  std::ostringstream s;
+  s << "ranks [" << waiting.str() << "] have been waiting " << seconds << " s for ranks ["
+    << missing.str() << "] to submit tensor '" << name << "' (" << m.Describe() << ")";
+  return s.str();
+}
+
+std::vector<std::string> Coordinator::StallReports(Clock::time_point now,
+                                                   Clock::duration report_after) {
+  std::vector<std::string> reports;
+  for (auto& [name, e] : table_) {
+    if (e.reported || now - e.first_seen < report_after) continue;
+    e.reported = true;
+    reports.push_back(Stall(name, e, now));
+  }
+  std::sort(reports.begin(), reports.end());
+  return reports;
+}
+
+void Coordinator::FailStalled(Clock::time_point now, Clock::duration fail_after,
+                              std::vector<Response>* out) {
+  std::vector<std::string> stalled;
+  for (const auto& [name, e] : table_) {
+    if (now - e.first_seen >= fail_after) stalled.push_back(name);
+  }
+  std::sort(stalled.begin(), stalled.end());
+  for (const std::string& name : stalled) {
+    Response resp;
+    resp.names = {name};
+    resp.error = "keras-ring: stalled: " + Stall(name, table_[name], now) +
+                 "; giving up (KERAS_RING_STALL_SHUTDOWN_TIME). A rank that skips a collective "
+                 "or runs a different number of steps leaves the others waiting.";
+    resp.status = KR_ABORTED;
+    out->push_back(std::move(resp));
+    table_.erase(name);
+  }
 }
 
 void Coordinator::RequestShutdown(int rank) {

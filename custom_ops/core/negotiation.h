@@ -8,6 +8,7 @@
 // coordinator's table) so that they can be tested without MPI.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -36,6 +37,7 @@ struct TensorMeta {
 struct Response {
   std::vector<std::string> names;
   std::string error;                 // empty when the ranks agree
+  kr_status status = KR_OK;          // KR_INVALID_ARGUMENT (disagreement), KR_ABORTED (stall)
   std::vector<int64_t> first_dims;   // allgather: each rank's first dimension
 
   // Known to the coordinator only (not sent): what fusion compares.
@@ -67,11 +69,22 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes);
 
 class Coordinator {
  public:
+  using Clock = std::chrono::steady_clock;
+
   explicit Coordinator(int size) : size_(size), shutdown_(size, false) {}
 
   // Records that `rank` has `meta` ready; appends a Response to `out` when the
   // last rank arrives.
-  void Add(int rank, TensorMeta meta, std::vector<Response>* out);
+  void Add(int rank, TensorMeta meta, std::vector<Response>* out,
+           Clock::time_point now = Clock::now());
+  bool HasWaiting() const { return !table_.empty(); }
+
+  // Stall handling. Names some ranks have submitted for longer than
+  // `report_after`: one report line each, once. Names waiting longer than
+  // `fail_after` (if positive): an error Response each, naming the missing
+  // ranks, and the name leaves the table.
+  std::vector<std::string> StallReports(Clock::time_point now, Clock::duration report_after);
+  void FailStalled(Clock::time_point now, Clock::duration fail_after, std::vector<Response>* out);
   void RequestShutdown(int rank);
   int FirstShutdownRank() const { return first_shutdown_; }
   bool AllRequestedShutdown() const;
@@ -81,7 +94,11 @@ class Coordinator {
     std::vector<TensorMeta> metas;  // by rank; `present` says which are set
     std::vector<bool> present;
     int count = 0;
+    Clock::time_point first_seen;
+    bool reported = false;
   };
+  // "ranks [0, 2] have been waiting 61 s for ranks [1] to submit tensor 'x' (...)".
+  std::string Stall(const std::string& name, const Entry& e, Clock::time_point now) const;
   Response Decide(const std::string& name, const Entry& entry) const;
 
   int size_;

@@ -113,6 +113,28 @@ KR_TEST(FusionLeavesErrorsAndOtherCollectivesAlone) {
   KR_EXPECT(!fused[2].error.empty());
 }
 
+KR_TEST(StallsAreReportedOnceThenFailedNamingTheMissingRanks) {
+  using std::chrono::seconds;
+  const auto t0 = Coordinator::Clock::now();
+  Coordinator c(3);
+  std::vector<Response> out;
+  c.Add(0, Allreduce("late", {4}), &out, t0);
+  c.Add(2, Allreduce("late", {4}), &out, t0 + seconds(1));
+  KR_EXPECT(c.StallReports(t0 + seconds(59), seconds(60)).empty());
+  auto reports = c.StallReports(t0 + seconds(61), seconds(60));
+  KR_EXPECT_EQ(reports.size(), 1u);
+  KR_EXPECT(reports[0].find("ranks [0, 2] have been waiting 61 s for ranks [1] to submit "
+                            "tensor 'late' (allreduce of float32[4]") != std::string::npos);
+  KR_EXPECT(c.StallReports(t0 + seconds(120), seconds(60)).empty());  // once
+  c.FailStalled(t0 + seconds(100), seconds(200), &out);
+  KR_EXPECT(out.empty());
+  c.FailStalled(t0 + seconds(200), seconds(200), &out);
+  KR_EXPECT_EQ(out.size(), 1u);
+  KR_EXPECT_EQ(out[0].status, KR_ABORTED);
+  KR_EXPECT(out[0].error.find("waiting 200 s for ranks [1]") != std::string::npos);
+  KR_EXPECT(!c.HasWaiting());
+}
+
 KR_TEST(WireFormatRoundTrips) {
   std::vector<TensorMeta> metas = {Allreduce("x", {2, 3}, DataType::kBFloat16, ReduceOp::kProduct),
                                    Allreduce("", {})};
@@ -133,11 +155,13 @@ KR_TEST(WireFormatRoundTrips) {
   list.responses[0].names = {"a", "b"};
   list.responses[1].names = {"g"};
   list.responses[1].error = "bad";
+  list.responses[1].status = KR_ABORTED;
   list.responses[1].first_dims = {1, 0, 7};
   ResponseList got = DeserializeResponses(SerializeResponses(list));
   KR_EXPECT_EQ(got.shutdown_rank, 1);
   KR_EXPECT(got.responses[0].names == list.responses[0].names);
   KR_EXPECT_EQ(got.responses[1].error, std::string("bad"));
+  KR_EXPECT_EQ(got.responses[1].status, KR_ABORTED);
   KR_EXPECT(got.responses[1].first_dims == list.responses[1].first_dims);
   std::vector<char> truncated = SerializeResponses(list);
   truncated.resize(truncated.size() - 3);
