@@ -173,6 +173,26 @@ def test_fusion(rank, size):
         fail(f"engine counted {stats['tensors']} tensors after {len(cases)} requests")
 
 
+def test_objects(rank, size):
+    for root in range(size):
+        obj = {"root": rank, "payload": list(range(rank * 1000))} if rank == root else None
+        got = kr.broadcast_object(obj, root_rank=root)
+        if got != {"root": root, "payload": list(range(root * 1000))}:
+            fail(f"broadcast_object from {root}: {str(got)[:80]}")
+    got = kr.allgather_object(("rank", rank, "x" * (rank * 5000)))
+    if got != [("rank", r, "x" * (r * 5000)) for r in range(size)]:
+        fail(f"allgather_object: {str(got)[:80]}")
+    # Every rank leaves a mark, then meets the others: after the barrier all marks are there.
+    with open(f"barrier.{rank}", "w") as f:
+        f.write("here")
+    kr.barrier()
+    missing = [r for r in range(size) if not os.path.exists(f"barrier.{r}")]
+    if missing:
+        fail(f"barrier returned before ranks {missing} reached it")
+    kr.barrier()  # nobody removes its mark before everyone has looked
+    os.remove(f"barrier.{rank}")
+
+
 def expect_error(handle, exc_type, *fragments):
     try:
         handle.wait()
@@ -236,7 +256,7 @@ def main():
     if size != expected:
         fail(f"size {size}, expected {expected}")
     for test in (test_allreduce, test_allgather, test_broadcast, test_out_of_order,
-                 test_fusion, test_mismatch, test_duplicate_name, test_restart):
+                 test_fusion, test_objects, test_mismatch, test_duplicate_name, test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)
 

@@ -1,0 +1,89 @@
+"""Collectives on picklable Python objects, and a barrier, over the engine's NumPy binding.
+
+They need no TensorFlow. Names match across ranks by call order: every rank
+must call them in the same order (as with any collective), or pass `name`.
+"""
+
+import io
+import itertools
+import pickle
+
+import numpy as np
+
+from keras_ring import _basics
+
+_counter = itertools.count()
+
+
+def _name(kind, name):
+    # Python calls on one rank run one at a time, so a per-process counter gives
+    # every rank the same sequence of names.
+    return f"{kind}.{name if name is not None else next(_counter)}"
+
+
+def _run(collective, array, name, **kwargs):
+    engine = _basics._engine()
+    return engine.submit(getattr(engine, collective), array, name, **kwargs).wait()
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Sends a picklable object from `root_rank` to every rank.
+
+    Args:
+        obj: The object; only the root's matters.
+        root_rank: The rank whose object every rank receives.
+        name: Matches the call across ranks; by default the call order does.
+
+    Returns:
+        The root's object (unpickled on each rank; the root gets its own back).
+
+    Example:
+
+    >>> config = kr.broadcast_object({"lr": 0.1} if kr.rank() == 0 else None)
+    """
+    _basics._require_initialized("broadcast_object()")
+    base = _name("broadcast_object", name)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if _basics.rank() == root_rank else None
+    length = np.array([payload.size if payload is not None else 0], np.int64)
+    length = _run("BROADCAST", length, base + ".length", root_rank=root_rank)
+    if payload is None:
+        payload = np.empty(int(length[0]), np.uint8)
+    payload = _run("BROADCAST", payload, base + ".bytes", root_rank=root_rank)
+    return pickle.load(io.BytesIO(payload.tobytes()))
+
+
+def allgather_object(obj, name=None):
+    """Gathers a picklable object from every rank, in rank order.
+
+    Args:
+        obj: This rank's object.
+        name: Matches the call across ranks; by default the call order does.
+
+    Returns:
+        A list with one object per rank.
+
+    Example:
+
+    >>> hosts = kr.allgather_object(socket.gethostname())
+    """
+    _basics._require_initialized("allgather_object()")
+    base = _name("allgather_object", name)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    lengths = _run("ALLGATHER", np.array([payload.size], np.int64), base + ".lengths")
+    gathered = _run("ALLGATHER", payload, base + ".bytes")
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [pickle.loads(gathered[offsets[r]:offsets[r + 1]].tobytes())
+            for r in range(len(lengths))]
+
+
+def barrier(name=None):
+    """Returns once every rank has called `barrier()`.
+
+    A collective completes only when every rank has submitted it, so an empty
+    allreduce is a barrier, and costs one agreement round.
+
+    Args:
+        name: Matches the call across ranks; by default the call order does.
+    """
+    _basics._require_initialized("barrier()")
+    _run("ALLREDUCE", np.empty(0, np.float32), _name("barrier", name))
