@@ -16,9 +16,12 @@ def run_python(code):
                           timeout=120)
 
 
-@pytest.mark.parametrize("query", QUERIES)
+@pytest.mark.parametrize(
+    "query", QUERIES + ["barrier", "broadcast_object, 1", "allgather_object, 1"]
+)
 def test_queries_before_init_raise_clear_error(query):
-    result = run_python(f"import keras_ring as kr\nkr.{query}()")
+    function, _, args = query.partition(", ")
+    result = run_python(f"import keras_ring as kr\nkr.{function}({args})")
     assert result.returncode != 0
     assert "keras_ring.init()" in result.stderr, result.stderr
 
