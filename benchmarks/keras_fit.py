@@ -1,0 +1,145 @@
+"""model.fit throughput: plain Keras, keras-ring on 1 rank, keras-ring on 2 ranks.
+
+    python benchmarks/keras_fit.py [--steps 60] [--batch 64]
+
+The driver starts each configuration as its own job in one run (plain Keras
+as a plain process, keras-ring under keras-ring-run), every process with one
+intra-op thread, the same synthetic data and model (an MLP of about 2.4M
+parameters). It prints samples/s per configuration, the overhead of the
+DistributedOptimizer at 1 rank (relative to plain Keras) and the scaling
+efficiency at 2 ranks (total samples/s / (2 x 1-rank samples/s)), and writes
+JSON and a PNG plot to benchmarks/results/.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+RESULT_PREFIX = "KERAS_FIT_RESULT "
+
+
+def worker(args):
+    """One training job: prints its samples/s (rank 0) as a tagged JSON line."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    distributed = args.mode == "keras-ring"
+    rank, size = 0, 1
+    if distributed:
+        import keras_ring as kr
+
+        kr.init()
+        rank, size = kr.rank(), kr.size()
+    keras.utils.set_random_seed(rank)
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal((args.batch * 8, 512)).astype("float32")
+    y = rng.integers(0, 10, args.batch * 8)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
+    model = keras.Sequential([
+        keras.Input((512,)),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    optimizer = keras.optimizers.SGD(0.01)
+    callbacks = []
+    if distributed:
+        optimizer = kr.DistributedOptimizer(optimizer)
+        callbacks.append(kr.callbacks.BroadcastGlobalVariablesCallback(0))
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    class Timer(keras.callbacks.Callback):
+        # The first steps trace the function and build the op library: skip them.
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == args.warmup:
+                self.start = time.perf_counter()
+
+        def on_train_end(self, logs=None):
+            self.seconds = time.perf_counter() - self.start
+
+    timer = Timer()
+    model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps,
+              callbacks=callbacks + [timer], verbose=0)
+    per_rank = args.steps * args.batch / timer.seconds
+    total = per_rank * size
+    if distributed:
+        total = float(kr.allreduce(np.float64(per_rank), op=kr.Sum, name="samples"))
+    if rank == 0:
+        print(RESULT_PREFIX + json.dumps({"ranks": size, "samples_per_s": total,
+                                          "samples_per_s_per_rank": total / size}), flush=True)
+
+
+def run_job(command):
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    return json.loads(lines[0][len(RESULT_PREFIX):])
+
+
+def driver(args):
+    me = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps),
+          "--batch", str(args.batch), "--warmup", str(args.warmup)]
+    launcher = os.path.join(os.path.dirname(sys.executable), "keras-ring-run")
+    rows = [
+        {"config": "plain Keras", **run_job(me + ["--mode", "plain"])},
+        {"config": "keras-ring, 1 rank", **run_job([launcher, "-np", "1"] + me
+                                                    + ["--mode", "keras-ring"])},
+        {"config": "keras-ring, 2 ranks", **run_job([launcher, "-np", "2"] + me
+                                                     + ["--mode", "keras-ring"])},
+    ]
+    plain, one, two = (r["samples_per_s"] for r in rows)
+    summary = {"overhead_at_1_rank": plain / one - 1.0,
+               "scaling_efficiency_at_2_ranks": two / (2 * one)}
+    print(f"\nmodel.fit, MLP 512-1024-1024-512-10, batch {args.batch} per rank, "
+          f"{args.steps} timed steps, 1 intra-op thread per process")
+    print(f"{'configuration':<22}{'samples/s':>12}{'per rank':>12}")
+    for r in rows:
+        print(f"{r['config']:<22}{r['samples_per_s']:>12.0f}{r['samples_per_s_per_rank']:>12.0f}")
+    print(f"overhead of keras-ring at 1 rank: {summary['overhead_at_1_rank'] * 100:+.1f}% time "
+          f"per sample; scaling efficiency at 2 ranks: "
+          f"{summary['scaling_efficiency_at_2_ranks'] * 100:.0f}%")
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "keras_fit")
+    with open(stem + ".json", "w") as f:
+        json.dump({"steps": args.steps, "batch": args.batch, "rows": rows, **summary}, f,
+                  indent=2)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([r["config"] for r in rows], [r["samples_per_s"] for r in rows])
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.set_title("model.fit throughput")
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=100)
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["plain", "keras-ring"])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    if args.mode:
+        worker(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()

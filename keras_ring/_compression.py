@@ -1,0 +1,89 @@
+"""Gradient compression for the reductions, with Horovod's `Compressor` interface."""
+
+import tensorflow as tf
+
+
+class Compressor:
+    """Converts a tensor before a collective and back after it.
+
+    A compressor is used as a class, through its two static methods; both
+    run in the graph of the training step.
+    """
+
+    @staticmethod
+    def compress(tensor):
+        """Returns the tensor to send and a context that `decompress` needs."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        """Returns the received tensor converted back using `ctx`."""
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Sends tensors as they are."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class _CastCompressor(Compressor):
+    """Sends floating-point tensors as `wire_dtype`; other tensors as they are."""
+
+    wire_dtype = None
+
+    @classmethod
+    def compress(cls, tensor):
+        if tensor.dtype.is_floating:
+            return tf.cast(tensor, cls.wire_dtype), tensor.dtype
+        return tensor, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        if ctx.is_floating:
+            return tf.cast(tensor, ctx)
+        return tensor
+
+
+class FP16Compressor(_CastCompressor):
+    """Sends floating-point tensors as float16 (11 significant bits, range ±65504)."""
+
+    wire_dtype = tf.float16
+
+
+class BF16Compressor(_CastCompressor):
+    """Sends floating-point tensors as bfloat16 (8 significant bits, float32's range)."""
+
+    wire_dtype = tf.bfloat16
+
+
+class Compression:
+    """The compressors that gradient reductions accept, as in Horovod.
+
+    Compression halves the bytes sent for float32 gradients at the cost of
+    precision: `fp16` keeps about 3 significant decimal digits but overflows
+    above 65504 (a `gradient_predivide_factor` helps keep sums in range);
+    `bf16` keeps about 2 digits and float32's range. Integer tensors are
+    never converted.
+
+    Attributes:
+        none: No compression.
+        fp16: Floating-point tensors travel as float16.
+        bf16: Floating-point tensors travel as bfloat16 (Horovod has no such
+            option).
+
+    Example:
+
+    >>> opt = keras_ring.DistributedOptimizer(
+    ...     keras.optimizers.SGD(0.1), compression=keras_ring.Compression.fp16)
+    """
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor

@@ -1,0 +1,275 @@
+"""Gradient reduction across ranks, shared by DistributedOptimizer and DistributedGradientTape.
+
+Gradients are reduced in groups, one grouped collective per group, in the
+order of the variables, which is the same on every rank. Each group is
+named after its key (a dtype, or a group number) inside a name scope: in a
+`tf.function` the scope is made unique per use, so two optimizers or tapes
+in one step never share a collective's name, and every rank that traced the
+same function derives the same names.
+"""
+
+import numbers
+
+import tensorflow as tf
+
+from keras_ring import _ops
+from keras_ring._compression import Compression
+from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
+from keras_ring._reduce_ops import Average, Sum
+
+
+def check_no_strategy(api):
+    """Raises if a `tf.distribute` strategy is active.
+
+    Args:
+        api: The public name of the caller, for the message.
+
+    Raises:
+        ValueError: If a strategy other than the default one is active.
+    """
+    if tf.distribute.has_strategy():
+        strategy = type(tf.distribute.get_strategy()).__name__
+        raise ValueError(
+            f"keras_ring.{api} cannot run under a tf.distribute strategy ({strategy} is "
+            "active): keras-ring replaces tf.distribute for data-parallel training. Create and "
+            "compile the model outside `strategy.scope()`, without a strategy, and start one "
+            "process per device with `keras-ring-run -np N python train.py`."
+        )
+
+
+def _check_not_xla(api):
+    # The collectives are AsyncOpKernels with no XLA lowering: caught here,
+    # while tracing, instead of as "No registered ... OpKernel for XLA" at
+    # the first step. `get_enclosing_xla_context` is TF's exported hook for
+    # libraries that must behave differently under XLA.
+    if tf.__internal__.get_enclosing_xla_context() is not None:
+        raise ValueError(
+            f"keras_ring.{api} cannot reduce gradients in a function compiled with XLA: "
+            "keras-ring's collectives have no XLA kernel yet. Compile the model with "
+            "`model.compile(..., jit_compile=False)` (the default, jit_compile='auto', turns "
+            "XLA on when a GPU is present), and decorate a custom training step with "
+            "`tf.function(jit_compile=False)`."
+        )
+
+
+def _is_count(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+class GradientReducer:
+    """Averages (or sums) gradients across ranks, with Horovod's options.
+
+    Args:
+        name: Name scope of the collectives; their names derive from it.
+        api: The public name of the user of this reducer, for messages.
+        device_dense: Device on which to reduce dense gradients.
+        device_sparse: Device on which to gather `tf.IndexedSlices`.
+        compression: A compressor from `keras_ring.Compression`; applied to
+            dense gradients only.
+        sparse_as_dense: If `True`, `tf.IndexedSlices` are converted to
+            dense tensors and reduced; otherwise their rows are gathered.
+        op: `keras_ring.Average` or `keras_ring.Sum`.
+        gradient_predivide_factor: With `Average`, each rank multiplies its
+            gradients by `1 / gradient_predivide_factor` before the sum and
+            the sum is multiplied by `gradient_predivide_factor / size`.
+        groups: `None` (one collective per dtype), a positive integer (that
+            many collectives over consecutive gradients), or a list of lists
+            of variables: the gradients of each list share a collective,
+            and every other gradient has its own.
+        num_groups: Same as an integer `groups`; 0 means unset.
+        process_set: Must be `None`: process sets come later.
+
+    Raises:
+        ValueError: If an argument is invalid.
+    """
+
+    def __init__(
+        self,
+        name,
+        api,
+        device_dense="",
+        device_sparse="",
+        compression=Compression.none,
+        sparse_as_dense=False,
+        op=Average,
+        gradient_predivide_factor=1.0,
+        groups=None,
+        num_groups=0,
+        process_set=None,
+    ):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
+        for arg, device in (("device_dense", device_dense), ("device_sparse", device_sparse)):
+            if not isinstance(device, str):
+                raise ValueError(
+                    f"`{arg}` must be a device string ('' for the default). "
+                    f"Received: {arg}={device!r}"
+                )
+        if not (
+            callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))
+        ):
+            raise ValueError(
+                "`compression` must be keras_ring.Compression.none, .fp16 or .bf16 (or a "
+                f"class with compress and decompress). Received: compression={compression!r}"
+            )
+        if not isinstance(sparse_as_dense, bool):
+            raise ValueError(
+                f"`sparse_as_dense` must be True or False. Received: "
+                f"sparse_as_dense={sparse_as_dense!r}"
+            )
+        if not _is_count(op) or op not in (Average, Sum):
+            shown = _REDUCE_OP_NAMES.get(op, repr(op)) if _is_count(op) else repr(op)
+            raise ValueError(
+                "`op` must be keras_ring.Average or keras_ring.Sum for gradients. "
+                f"Received: op={shown}"
+            )
+        if (
+            isinstance(gradient_predivide_factor, bool)
+            or not isinstance(gradient_predivide_factor, numbers.Real)
+            or not gradient_predivide_factor > 0
+        ):
+            raise ValueError(
+                "`gradient_predivide_factor` must be a positive number. "
+                f"Received: gradient_predivide_factor={gradient_predivide_factor!r}"
+            )
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError(
+                "`gradient_predivide_factor` applies to op=keras_ring.Average only. "
+                f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, "
+                f"op={_REDUCE_OP_NAMES[op]}"
+            )
+        if process_set is not None:
+            raise ValueError(
+                "keras-ring has no process sets yet (they come later): pass process_set=None "
+                f"to reduce over all ranks. Received: process_set={process_set!r}"
+            )
+        self.name = name
+        self._api = api
+        self._device_dense = device_dense
+        self._device_sparse = device_sparse
+        self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
+        self._op = int(op)
+        # Horovod's split of the average around the sum, which keeps
+        # float16 sums in range: the kernel divides by the size itself.
+        self._prescale = 1.0 / gradient_predivide_factor
+        self._postscale = float(gradient_predivide_factor)
+        self._num_groups, self._variable_groups = self._parse_groups(groups, num_groups)
+
+    @staticmethod
+    def _parse_groups(groups, num_groups):
+        if not _is_count(num_groups) or num_groups < 0:
+            raise ValueError(
+                "`num_groups` must be a non-negative integer (0: one collective per dtype). "
+                f"Received: num_groups={num_groups!r}"
+            )
+        if groups is None:
+            return int(num_groups), None
+        if num_groups:
+            raise ValueError(
+                "Pass `groups` or `num_groups`, not both. "
+                f"Received: groups={groups!r}, num_groups={num_groups!r}"
+            )
+        if _is_count(groups) and groups > 0:
+            return int(groups), None
+        if isinstance(groups, (list, tuple)) and all(
+            isinstance(group, (list, tuple)) for group in groups
+        ):
+            return 0, [list(group) for group in groups]
+        raise ValueError(
+            "`groups` must be None, a positive integer, or a list of lists of variables. "
+            f"Received: groups={groups!r}"
+        )
+
+    def reduce(self, grads, variables=None):
+        """Reduces a list of gradients across ranks.
+
+        Args:
+            grads: A list of gradients (tensors, `tf.IndexedSlices` or
+                `None`), in the same order on every rank.
+            variables: The variables of `grads`, one for one; needed only
+                when `groups` lists variables.
+
+        Returns:
+            A list of the reduced gradients, with `None` where `grads` had
+            `None`.
+
+        Raises:
+            ValueError: Under a `tf.distribute` strategy, inside an XLA
+                compilation, or if `groups` lists variables and `variables`
+                is `None`.
+        """
+        check_no_strategy(self._api)
+        _check_not_xla(self._api)
+        grads = list(grads)
+        if self._sparse_as_dense:
+            grads = [
+                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
+            ]
+        sent, contexts = [], []
+        for g in grads:
+            # Gathered rows are not summed, so compressing them saves nothing
+            # worth their precision (Horovod does not either).
+            if g is None or isinstance(g, tf.IndexedSlices):
+                sent.append(g)
+                contexts.append(None)
+            else:
+                tensor, ctx = self._compression.compress(g)
+                sent.append(tensor)
+                contexts.append(ctx)
+        results = list(grads)
+        with tf.name_scope(self.name):
+            for key, indices in self._partition(sent, variables):
+                reduced = _ops.grouped_allreduce(
+                    [sent[i] for i in indices],
+                    device_dense=self._device_dense,
+                    device_sparse=self._device_sparse,
+                    op=self._op,
+                    prescale_factor=self._prescale,
+                    postscale_factor=self._postscale,
+                    name=key,
+                )
+                for i, r in zip(indices, reduced):
+                    results[i] = (
+                        r
+                        if isinstance(r, tf.IndexedSlices)
+                        else self._compression.decompress(r, contexts[i])
+                    )
+        return results
+
+    def _partition(self, tensors, variables):
+        """Returns (name, indices) of each group of non-`None` tensors, in a fixed order."""
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        if self._variable_groups is not None:
+            return self._partition_by_variables(present, variables)
+        if self._num_groups:
+            # Consecutive, near-equal shares (Horovod's split_list).
+            count, extra = divmod(len(present), self._num_groups)
+            bounds = [k * count + min(k, extra) for k in range(self._num_groups + 1)]
+            return [
+                (f"group{k}", present[bounds[k] : bounds[k + 1]])
+                for k in range(self._num_groups)
+                if bounds[k] < bounds[k + 1]
+            ]
+        by_dtype = {}
+        for i in present:
+            by_dtype.setdefault(tensors[i].dtype.name, []).append(i)
+        return list(by_dtype.items())
+
+    def _partition_by_variables(self, present, variables):
+        if variables is None:
+            raise ValueError(
+                f"keras_ring.{self._api} was given `groups` as lists of variables, so it needs "
+                "the variables of the gradients: pass them (optimizer.apply(grads, "
+                "trainable_variables) or tape.gradient(target, sources))."
+            )
+        # Identity, not names: Keras 3 variable names ("kernel") repeat.
+        position = {id(variables[i]): i for i in present}
+        partition = []
+        for k, group in enumerate(self._variable_groups):
+            indices = sorted(position.pop(id(v)) for v in group if id(v) in position)
+            if indices:
+                partition.append((f"group{k}", indices))
+        partition.extend((f"grad{i}", [i]) for i in sorted(position.values()))
+        return partition

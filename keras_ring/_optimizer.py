@@ -1,0 +1,361 @@
+"""`DistributedOptimizer`: any Keras optimizer, with its gradients reduced across ranks.
+
+The optimizer's class is replaced by a subclass that puts
+`_DistributedOptimizerMixin` in front of it (one subclass per optimizer
+class, made once). `apply` reduces the gradients, then hands them to the
+class's own `apply`, so Keras's loss-scale check, clipping, accumulation,
+weight decay and update all see the global gradients. The subclass adds no
+config keys and no Keras variables, and presents the original class to
+Keras's serialisation: a saved model names its optimizer as the unwrapped
+one would, and loads without keras-ring.
+"""
+
+import functools
+import numbers
+
+import keras
+import tensorflow as tf
+
+from keras_ring._compression import Compression
+from keras_ring._gradient_reducer import GradientReducer, check_no_strategy
+from keras_ring._reduce_ops import Average
+
+
+class _PassAccumulator:
+    """Sums gradients over `passes` backward passes, for `backward_passes_per_step`.
+
+    Its TensorFlow variables are kept from Keras's tracking on purpose: they
+    are not optimizer state (they are zero after every update), so they stay
+    out of `optimizer.variables`, saved models and the variable count that
+    checkpoints and state broadcasts rely on.
+    """
+
+    def __init__(self, passes, average):
+        self.passes = passes
+        self.average = average
+        self._count = None
+        self._sums = {}
+
+    def _variable(self, shape, dtype):
+        # Lifted out of any function being traced, like Keras's own slots.
+        with tf.init_scope():
+            return tf.Variable(tf.zeros(shape, dtype), trainable=False)
+
+    def add(self, grads, variables):
+        """Adds this pass's gradients to the sums; returns the sum variables (or `None`)."""
+        if self._count is None:
+            self._count = self._variable([], tf.int64)
+        sums = []
+        for g, v in zip(grads, variables):
+            if g is None:
+                sums.append(None)
+                continue
+            if id(v) not in self._sums:
+                # Holds `v` too, so that its id cannot be reused.
+                self._sums[id(v)] = (v, self._variable(v.shape, g.dtype))
+            total = self._sums[id(v)][1]
+            if isinstance(g, tf.IndexedSlices):
+                # Adds the rows in place: converting the slices to a dense
+                # tensor needs a dense shape that is unknown while tracing.
+                total.scatter_add(g)
+            else:
+                total.assign_add(g)
+            sums.append(total)
+        return sums
+
+    def is_last_pass(self):
+        return tf.equal(self._count, self.passes - 1)
+
+    def totals(self, sums):
+        """Reads the sums (divided by `passes` if averaging) and zeroes them."""
+        totals = []
+        for total in sums:
+            if total is None:
+                totals.append(None)
+                continue
+            value = total.read_value()
+            totals.append(value / self.passes if self.average else value)
+            total.assign(tf.zeros_like(total))
+        self._count.assign(0)
+        return totals
+
+    def next_pass(self):
+        self._count.assign_add(1)
+
+
+class _Distribution:
+    """What keras-ring keeps on a distributed optimizer (untracked by Keras)."""
+
+    def __init__(self, reducer, accumulator):
+        self.reducer = reducer
+        self.accumulator = accumulator
+        # The variables the optimizer was built with, for `apply(grads)`.
+        self.variables = None
+
+
+class _DistributedOptimizerMixin:
+    """Reduces gradients across ranks in `apply`, before the optimizer's own class sees them."""
+
+    def build(self, variables):
+        super().build(variables)
+        self._keras_ring.variables = list(variables)
+
+    def apply(self, grads, trainable_variables=None):
+        state = self._keras_ring
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        variables = state.variables if trainable_variables is None else trainable_variables
+        if state.accumulator is None:
+            return super().apply(state.reducer.reduce(grads, variables), trainable_variables)
+        if variables is None:
+            raise ValueError(
+                "With backward_passes_per_step > 1, keras_ring.DistributedOptimizer needs the "
+                "variables of the gradients: call apply(grads, trainable_variables) or "
+                "apply_gradients(zip(grads, variables))."
+            )
+        if not self.built:
+            # Before the branch below, which must not create variables.
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+        sums = state.accumulator.add(grads, variables)
+        parent_apply = super().apply
+
+        def reduce_and_apply():
+            totals = state.accumulator.totals(sums)
+            parent_apply(state.reducer.reduce(totals, variables), trainable_variables)
+
+        # Every rank runs the same number of passes, so all take the same
+        # branch: the collective inside runs on all ranks or on none.
+        tf.cond(
+            state.accumulator.is_last_pass(),
+            reduce_and_apply,
+            state.accumulator.next_pass,
+        )
+
+
+@functools.cache
+def _distributed_class(base):
+    """The subclass of `base` that distributed optimizers of class `base` get."""
+    return type(
+        f"Distributed{base.__name__}",
+        (_DistributedOptimizerMixin, base),
+        {
+            "__module__": __name__,
+            # Keras serialises objects under `obj.__class__`'s public or
+            # registered name (keras.optimizers.Adam, "my_package>MyOptimizer"):
+            # presenting the base class saves the optimizer exactly as the
+            # unwrapped one. `type()` still gives this subclass, so method
+            # lookup and isinstance are unaffected.
+            "__class__": property(lambda self: base),
+        },
+    )
+
+
+def _check_optimizer(optimizer):
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "keras_ring.DistributedOptimizer wraps a keras.optimizers.Optimizer. "
+            f"Received: optimizer={optimizer!r}"
+        )
+    if isinstance(optimizer, _DistributedOptimizerMixin):
+        raise ValueError(
+            f"The optimizer is already distributed. Received: optimizer={optimizer.name!r}"
+        )
+    check_loss_scale_outside(optimizer)
+
+
+def check_loss_scale_outside(optimizer):
+    """Raises if a LossScaleOptimizer wraps a distributed optimizer (the order that hangs)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
+        optimizer.inner_optimizer, _DistributedOptimizerMixin
+    ):
+        raise ValueError(
+            "The LossScaleOptimizer wraps a distributed optimizer: the loss scale would then "
+            "skip non-finite steps on one rank only, and the other ranks would wait for it "
+            "forever. Wrap the other way round: "
+            "keras_ring.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer)). "
+            f"Received: optimizer={optimizer.name!r}"
+        )
+
+
+def _distribute(optimizer, distribution):
+    # Past Keras's and TF's attribute tracking, which have nothing to track here.
+    object.__setattr__(optimizer, "__class__", _distributed_class(type(optimizer)))
+    optimizer._keras_ring = distribution
+    return optimizer
+
+
+def DistributedOptimizer(
+    optimizer,
+    name=None,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    sparse_as_dense=False,
+    gradient_predivide_factor=1.0,
+    op=Average,
+    backward_passes_per_step=1,
+    average_aggregated_gradients=False,
+    groups=None,
+    num_groups=0,
+    process_set=None,
+):
+    """Makes a Keras optimizer average its gradients across all ranks before applying them.
+
+    Works with any `keras.optimizers.Optimizer`: built-in ones, your
+    subclasses, and `keras.optimizers.LossScaleOptimizer`. Gradients are
+    reduced in `apply()` (which `model.fit` and `apply_gradients` call),
+    before the optimizer clips, unscales, accumulates or applies them, with
+    one grouped collective per dtype per step. The optimizer is changed in
+    place, keeps its state, and gains no config keys and no variables: a
+    model compiled with it saves and loads like one compiled with the plain
+    optimizer (see `keras_ring.load_model` to load it distributed again).
+
+    Mixed precision: the loss scale must judge the reduced gradients, or one
+    rank would skip a step while the others wait for it. So pass a
+    `LossScaleOptimizer` to wrap it from outside; and if the global dtype
+    policy is `"mixed_float16"` when you call this, an optimizer that is not
+    one is first wrapped in a `LossScaleOptimizer` (as `model.compile` would
+    do, which then leaves it as is). If only the model's own policy is
+    `"mixed_float16"` (`dtype=` of the model), pass
+    `DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer))`
+    yourself: `compile` would otherwise put its loss scale outside (and
+    `BroadcastGlobalVariablesCallback` refuses to start training then). In a
+    custom training loop, scale the loss with `optimizer.scale_loss(loss)`,
+    as with any `LossScaleOptimizer`.
+
+    Local accumulation: `backward_passes_per_step` sums gradients locally
+    and reduces once per update. Keras's own `gradient_accumulation_steps`
+    works too, but accumulates after the reduction, so it reduces every
+    batch.
+
+    Args:
+        optimizer: The `keras.optimizers.Optimizer` to distribute.
+        name: Name scope for the collectives. Defaults to `"Distributed"`
+            followed by the optimizer's class name.
+        device_dense: Device on which to reduce dense gradients.
+        device_sparse: Device on which to gather sparse gradients.
+        compression: `keras_ring.Compression.none` (default), `.fp16` or
+            `.bf16`: the type dense floating-point gradients travel as.
+        sparse_as_dense: If `True`, sparse gradients (`tf.IndexedSlices`,
+            e.g. from `Embedding`) are made dense and reduced; otherwise the
+            rows of all ranks are gathered, which is cheaper when each rank
+            touches few rows.
+        gradient_predivide_factor: With `op=Average`, gradients are divided
+            by this factor before the sum and by `size / factor` after it.
+        op: `keras_ring.Average` (default) or `keras_ring.Sum`.
+        backward_passes_per_step: Number of backward passes (batches) whose
+            gradients are summed locally before one reduction and update.
+            `optimizer.iterations` then counts updates, not batches.
+        average_aggregated_gradients: With `backward_passes_per_step > 1`,
+            divide the local sum by `backward_passes_per_step`.
+        groups: `None` (one collective per dtype), a positive integer (that
+            many collectives over consecutive gradients) or a list of lists
+            of variables (the gradients of each list share a collective;
+            other gradients get one each).
+        num_groups: Same as an integer `groups` (Horovod's older name).
+        process_set: Must be `None` (all ranks); process sets come later.
+
+    Returns:
+        The distributed optimizer: `optimizer` itself, or the
+        `LossScaleOptimizer` around it under a `"mixed_float16"` policy.
+
+    Raises:
+        TypeError: If `optimizer` is not a Keras optimizer.
+        ValueError: If an argument is invalid, the optimizer is already
+            distributed (or inside a `LossScaleOptimizer` that is), or a
+            `tf.distribute` strategy is active. Later, when a training step
+            is traced with XLA (`jit_compile=True`).
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> opt = keras.optimizers.Adam(0.001 * keras_ring.size())
+    >>> opt = keras_ring.DistributedOptimizer(opt)
+    >>> model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    """
+    _check_optimizer(optimizer)
+    check_no_strategy("DistributedOptimizer")
+    if (
+        not isinstance(backward_passes_per_step, numbers.Integral)
+        or isinstance(backward_passes_per_step, bool)
+        or backward_passes_per_step < 1
+    ):
+        raise ValueError(
+            "`backward_passes_per_step` must be a positive integer. "
+            f"Received: backward_passes_per_step={backward_passes_per_step!r}"
+        )
+    if not isinstance(average_aggregated_gradients, bool):
+        raise ValueError(
+            "`average_aggregated_gradients` must be True or False. "
+            f"Received: average_aggregated_gradients={average_aggregated_gradients!r}"
+        )
+    reducer = GradientReducer(
+        name=f"Distributed{type(optimizer).__name__}" if name is None else name,
+        api="DistributedOptimizer",
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        groups=groups,
+        num_groups=num_groups,
+        process_set=process_set,
+    )
+    accumulator = None
+    if backward_passes_per_step > 1:
+        accumulator = _PassAccumulator(int(backward_passes_per_step), average_aggregated_gradients)
+    if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    return _distribute(optimizer, _Distribution(reducer, accumulator))
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
+    """Loads a saved Keras model and makes its optimizer distributed.
+
+    The model loads as with `keras.models.load_model`, optimizer state
+    included; its optimizer is then distributed as by
+    `DistributedOptimizer(optimizer, compression=compression)`.
+
+    Args:
+        filepath: Path of the `.keras` file.
+        custom_optimizers: Optimizer classes the model may use that Keras
+            cannot find by itself (unregistered subclasses).
+        custom_objects: Other custom objects, as for
+            `keras.models.load_model`.
+        compression: The compression of the distributed optimizer.
+
+    Returns:
+        The model, compiled with a distributed optimizer if it was saved
+        compiled.
+
+    Raises:
+        ValueError: If `compression` is invalid or a `tf.distribute`
+            strategy is active.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> model = keras_ring.load_model("model.keras")
+    >>> model.fit(x, y, initial_epoch=3)
+    """
+    check_no_strategy("load_model")
+    objects = {cls.__name__: cls for cls in custom_optimizers or ()}
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    optimizer = model.optimizer
+    if optimizer is not None:
+        # The model's own compile already put a loss-scale wrapper where its
+        # dtype policy needs one: distribute the outermost optimizer as is.
+        _check_optimizer(optimizer)
+        reducer = GradientReducer(
+            name=f"Distributed{type(optimizer).__name__}",
+            api="load_model",
+            compression=compression,
+        )
+        _distribute(optimizer, _Distribution(reducer, accumulator=None))
+    return model

@@ -1,0 +1,108 @@
+"""BroadcastGlobalVariablesCallback: one starting state for every rank."""
+
+import tensorflow as tf
+
+from keras_ring import _basics, _ops, _optimizer
+from keras_ring.callbacks import _sync
+from keras_ring.callbacks._validation import check_integer
+
+
+class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
+    """Copies the model's and the optimizer's state from `root_rank` to every rank.
+
+    At the start of training (`on_train_begin`, before the first step), every
+    rank builds its optimizer if Keras has not built it yet (Keras builds it
+    lazily, in the first traced step, so its slots would otherwise not exist
+    yet), and then receives the root's model weights (trainable and not, such
+    as batch-normalisation statistics) and optimizer variables (iteration
+    count, learning rate, slots). So the first update starts from one state on
+    every rank, whether the model was initialised at random or restored from
+    a checkpoint on the root only. Horovod broadcasts after the first batch
+    instead, so its first step runs from each rank's own initial weights.
+
+    Random-number states (the seeds of `Dropout` and similar layers) are not
+    broadcast: each rank keeps its own randomness.
+
+    It broadcasts at the start of every `fit` it is passed to, so weights
+    loaded on the root between two `fit` calls reach every rank too.
+
+    Every rank must pass this callback. Like the other keras-ring callbacks
+    that communicate, it also checks at each step that all ranks are in step
+    (see `keras_ring.callbacks`).
+
+    Args:
+        root_rank: The rank whose state every rank receives.
+        device: The device on which to broadcast; by default TensorFlow's
+            choice.
+
+    Raises:
+        ValueError: If `root_rank` is not a non-negative integer; at the start
+            of training, if it is not a rank of the job, if the ranks' models
+            or optimizers differ (each rank's variables are named), or if a
+            `LossScaleOptimizer` wraps the distributed optimizer (as `compile`
+            does for a model built with `dtype="mixed_float16"` when the global
+            policy is not mixed): one rank could then skip a step alone.
+
+    Example:
+
+    ```python
+    kr.init()
+    model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.Adam()), loss="mse")
+    model.fit(x, y, callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)])
+    ```
+    """
+
+    def __init__(self, root_rank, device=""):
+        super().__init__()
+        check_integer("root_rank", root_rank, 0)
+        self.root_rank = int(root_rank)
+        self.device = device
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        # A model whose own dtype policy is mixed_float16 gets its loss scale
+        # wrapped around ours by compile(): refuse it here rather than hang.
+        _optimizer.check_loss_scale_outside(self.model.optimizer)
+        if _basics.size() == 1:
+            return
+        variables = self._variables()
+        self._check_same_variables(variables)
+        with tf.device(self.device):
+            for i, variable in enumerate(variables):
+                # Named by position: variable paths follow Keras's per-process
+                # layer counters, which may differ between ranks.
+                variable.assign(
+                    _ops.broadcast(
+                        variable.value, self.root_rank, name=f"keras_ring.broadcast_variables.{i}"
+                    )
+                )
+
+    def _variables(self):
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_weights)
+        return list(self.model.weights) + list(optimizer.variables)
+
+    def _check_same_variables(self, variables):
+        """Raises on every rank unless all ranks have variables of the same shapes and dtypes."""
+        shapes = [f"{tuple(v.shape)} {v.dtype}" for v in variables]
+        low, high = self.step_guard.exchange(
+            _sync.TRAIN_BEGIN, _sync.VARIABLES, (len(variables), _sync.digest("\n".join(shapes)))
+        )
+        if (low == high).all():
+            return
+        described = [f"{v.path} {shape}" for v, shape in zip(variables, shapes)]
+        ranks = [text.splitlines() for text in _sync.gather_text("\n".join(described))]
+        counts = _sync.per_rank(len(r) for r in ranks)
+        first = next(
+            i
+            for i in range(max(len(r) for r in ranks))
+            if len({r[i].split(" ", 1)[1] if i < len(r) else None for r in ranks}) > 1
+        )
+        at_first = _sync.per_rank(r[first] if first < len(r) else "(none)" for r in ranks)
+        raise ValueError(
+            "keras-ring: BroadcastGlobalVariablesCallback: the ranks' models or optimizers "
+            f"differ, so their state cannot be broadcast. Variables per rank: {counts}. "
+            f"The first difference is variable {first}: {at_first}. Build the same model and "
+            "the same optimizer on every rank."
+        )

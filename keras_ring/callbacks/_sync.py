@@ -1,0 +1,259 @@
+"""Keeps the ranks in step during `fit`: the exchanges keras-ring's callbacks communicate through.
+
+A rank that has run out of data (or stopped training on its own) leaves its
+peers waiting in their next collective, which may be a gradient allreduce
+inside the train step: a hang, not an error. So every collective a keras-ring
+callback makes during `fit` is preceded, at the same point of training, by an
+*exchange*: one small allreduce under one fixed name that carries where this
+rank is (the point in `fit`, epoch, step) and which callback asks. Exchanges
+are eager and run one at a time, so the n-th exchange of every rank pairs with
+the n-th of the others: ranks that are out of step meet in an exchange (never
+in a gradient allreduce) and all of them raise the same error, naming where
+each rank is.
+
+`SyncedCallback` is the base of the callbacks that communicate. Its hooks run
+the step guard: an exchange at train begin (which also compares the planned
+steps per epoch and the epochs), at each batch begin (before the train step's
+own collectives), at each epoch end and at train end (counting the ended
+steps at each batch end needs none). The callbacks of one `fit` share one
+guard, so the guard exchanges once per point however many keras-ring
+callbacks are in the list.
+"""
+
+import warnings
+import zlib
+
+import keras
+import numpy as np
+
+from keras_ring import _basics, _ops
+from keras_ring._reduce_ops import Max
+
+# Points in `fit`.
+TRAIN_BEGIN, BATCH_BEGIN, BATCH_END, EPOCH_END, TRAIN_END = range(1, 6)
+# Who exchanges: names each rank's position when ranks disagree.
+GUARD, VARIABLES, METRICS, STOP = range(4)
+_KINDS = {
+    GUARD: "keras-ring's step guard",
+    VARIABLES: "BroadcastGlobalVariablesCallback",
+    METRICS: "MetricAverageCallback",
+    STOP: "AgreedStoppingCallback",
+}
+_POSITION = 4  # point, epoch, step, kind: must agree on every rank
+_VALUES = 2
+_NAME = "keras_ring.callbacks.sync"
+
+STEPS_ADVICE = (
+    "Every rank must run the same number of steps in each epoch. Give every rank the same "
+    "number of batches: shard with keras_ring.shard_dataset(dataset, drop_remainder=True) "
+    "before batching, or pass steps_per_epoch to fit() no larger than the smallest rank's "
+    "number of batches (with dataset.repeat())."
+)
+UNKNOWN_STEPS_WARNING = (
+    "keras-ring: Keras does not know the number of steps per epoch on every rank (the data "
+    "has an unknown length, as after dataset.filter()), so keras-ring cannot check before "
+    "training that all ranks run the same number. A rank whose data runs out first finds out "
+    "inside its train step; if that step communicates (DistributedOptimizer), the other ranks "
+    "then wait for it in their gradient allreduce. Declare the length with "
+    "dataset.apply(tf.data.experimental.assert_cardinality(n)) on every rank, or pass "
+    "steps_per_epoch to fit() with dataset.repeat()."
+)
+STOP_ADVICE = (
+    "If a callback stopped training on some ranks only (EarlyStopping, TerminateOnNaN), put "
+    "keras_ring.callbacks.AgreedStoppingCallback() after it in the callbacks list."
+)
+
+
+def exchange(point, epoch, step, kind, values=()):
+    """Checks that all ranks are at the same point; reduces `values` over the ranks.
+
+    Collective: every rank must call it at the same point of `fit`.
+
+    Args:
+        point: Where in `fit` this rank is (`TRAIN_BEGIN`, ...).
+        epoch: The epoch index (or -1 before the first epoch).
+        step: The step within the epoch (see `_StepGuard.exchange`).
+        kind: Who exchanges (`GUARD`, `VARIABLES`, `METRICS`, `STOP`).
+        values: Up to two integers to compare across the ranks.
+
+    Returns:
+        `(low, high)`: the minimum and maximum of each of `values` over the
+        ranks, as NumPy int64 arrays, the same on every rank.
+
+    Raises:
+        RuntimeError: On every rank, if the ranks are not at the same point,
+            naming where each rank is.
+    """
+    mine = np.zeros(_POSITION + _VALUES, np.int64)
+    mine[:_POSITION] = (point, epoch, step, kind)
+    mine[_POSITION : _POSITION + len(values)] = values
+    if _basics.size() == 1:
+        return mine[_POSITION:], mine[_POSITION:]
+    # Max of (x, -x) gives the maximum and the minimum in one allreduce.
+    both = _ops.allreduce(np.concatenate([mine, -mine]), op=Max, name=_NAME).numpy()
+    high, low = both[: mine.size], -both[mine.size :]
+    if (low[:_POSITION] != high[:_POSITION]).any():
+        raise RuntimeError(_out_of_step_message(gather(mine)))
+    return low[_POSITION:], high[_POSITION:]
+
+
+def gather(values):
+    """Returns every rank's integer `values`, one row per rank. Collective."""
+    row = np.asarray(values, np.int64).reshape(1, -1)
+    return _ops.allgather(row, name=f"{_NAME}.gather").numpy()
+
+
+def gather_text(text):
+    """Returns every rank's `text`, a list indexed by rank. Collective."""
+    data = np.frombuffer(text.encode(), np.uint8)
+    lengths = gather([data.size])[:, 0]
+    joined = _ops.allgather(data, name=f"{_NAME}.text").numpy().tobytes()
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [joined[a:b].decode() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def digest(text):
+    """A checksum of `text` that is the same on every rank."""
+    return zlib.crc32(text.encode())
+
+
+def per_rank(values):
+    """'rank 0: a, rank 1: b' for a message."""
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+
+def _where(point, epoch, step):
+    epoch += 1  # as Keras's progress bar and messages count epochs
+    return {
+        TRAIN_BEGIN: "is starting training",
+        BATCH_BEGIN: f"is starting step {step + 1} of epoch {epoch}",
+        BATCH_END: f"is ending step {step} of epoch {epoch}",
+        EPOCH_END: f"has ended epoch {epoch} after {step} steps",
+        TRAIN_END: "has ended training",
+    }[point]
+
+
+def _out_of_step_message(rows):
+    where_differs = (rows[:, :3] != rows[0, :3]).any()
+    kinds_differ = (rows[:, 3] != rows[0, 3]).any()
+    states = []
+    for r, (point, epoch, step, kind) in enumerate(rows[:, :_POSITION].tolist()):
+        who = f" (in {_KINDS[kind]})" if kinds_differ else ""
+        states.append(f"rank {r} {_where(point, epoch, step)}{who}")
+    advice = (
+        f"{STEPS_ADVICE} {STOP_ADVICE}"
+        if where_differs
+        else "Pass the same keras-ring callbacks, in the same order, on every rank."
+    )
+    return f"keras-ring: the ranks are out of step: {'; '.join(states)}. {advice}"
+
+
+class _StepGuard:
+    """The guard of one `fit`: exchanges once at each point, whichever callback gets there first."""
+
+    def __init__(self):
+        self._last_point = None
+        self.epoch = -1
+        self.steps = 0  # begun in the current epoch
+        self.completed = 0  # ended in the current epoch
+
+    def exchange(self, point, kind, values=()):
+        """`exchange()` at `point` of the current epoch and step."""
+        # A step that finds no data is begun but never ended, so where the
+        # ranks' step counts may differ, the ended steps are compared.
+        step = self.steps if point in (BATCH_BEGIN, BATCH_END) else self.completed
+        return exchange(point, self.epoch, step, kind, values)
+
+    def _first_at(self, point):
+        # Every rank runs the same callbacks in the same order, so every rank
+        # makes the same choice here.
+        if point == self._last_point:
+            return False
+        self._last_point = point
+        return True
+
+    def train_begin(self, params):
+        if not self._first_at((TRAIN_BEGIN,)):
+            return
+        planned = params.get("steps")
+        planned = -1 if planned is None else int(planned)
+        epochs = int(params.get("epochs") or 0)
+        low, high = self.exchange(TRAIN_BEGIN, GUARD, (planned, epochs))
+        if low[0] < 0 and _basics.size() > 1 and _basics.rank() == 0:
+            warnings.warn(UNKNOWN_STEPS_WARNING, stacklevel=2)
+        if low[0] >= 0 and low[0] != high[0]:
+            counts = per_rank(gather([planned])[:, 0])
+            raise RuntimeError(
+                "keras-ring: the ranks would run different numbers of steps per epoch "
+                f"({counts}). {STEPS_ADVICE}"
+            )
+        if low[1] != high[1]:
+            counts = per_rank(gather([epochs])[:, 0])
+            raise RuntimeError(
+                f"keras-ring: the ranks would train for different numbers of epochs ({counts}). "
+                "Pass the same `epochs` (and `initial_epoch`) to fit() on every rank."
+            )
+
+    def epoch_begin(self, epoch):
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.steps = self.completed = 0
+
+    def batch_begin(self, batch):
+        if self._first_at((BATCH_BEGIN, self.epoch, batch)):
+            self.exchange(BATCH_BEGIN, GUARD)
+            self.steps += 1
+
+    def batch_end(self):
+        self.completed = self.steps
+
+    def epoch_end(self, epoch):
+        if self._first_at((EPOCH_END, epoch)):
+            self.exchange(EPOCH_END, GUARD)
+
+    def train_end(self):
+        if self._first_at((TRAIN_END,)):
+            self.exchange(TRAIN_END, GUARD)
+
+
+# The guard of the current `fit`, keyed by the `params` dict that Keras's
+# CallbackList hands to each of its callbacks (one dict per `fit`).
+_current = (None, None)
+
+
+def _guard_for(params):
+    global _current
+    if _current[0] is not params:
+        _current = (params, _StepGuard())
+    return _current[1]
+
+
+class SyncedCallback(keras.callbacks.Callback):
+    """Base of the keras-ring callbacks that communicate: runs the step guard.
+
+    Subclasses call the parent's hook first, so that the guard has checked
+    that the ranks are in step before their own collectives.
+    """
+
+    @property
+    def step_guard(self):
+        """The step guard of the current `fit`."""
+        return _guard_for(self.params)
+
+    def on_train_begin(self, logs=None):
+        self.step_guard.train_begin(self.params)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.step_guard.epoch_begin(epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.step_guard.batch_begin(batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step_guard.batch_end()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.step_guard.epoch_end(epoch)
+
+    def on_train_end(self, logs=None):
+        self.step_guard.train_end()

@@ -1,0 +1,388 @@
+"""Multi-rank checks of keras_ring.callbacks, for tests/test_callbacks_multirank.py.
+
+Run with 2 or 3 ranks, under the test launcher or plainly:
+`mpiexec -n 3 python tests/workers/callbacks_worker.py OUT_DIR SCENARIO...`.
+
+Each scenario trains a small model with plain Keras optimizers (no gradient
+reduction: the callbacks are what is tested) and checks its results against
+every rank's values, gathered with keras-ring's collectives. Failed checks are
+collected and reported at the end (exit 1); an unexpected exception exits at
+once, and the launcher then stops the other ranks.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import sys
+import time
+import traceback
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# Up to 3 ranks share 2 cores.
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+import keras_ring as kr  # noqa: E402
+
+BATCH = 8
+# The guard must answer in about the time of a few exchanges, not a timeout.
+GUARD_SECONDS = 20
+RANK = SIZE = None
+failures = []
+
+
+def check(condition, message):
+    if not condition:
+        failures.append(f"rank {RANK}: {message}")
+
+
+def gathered(values, tag):
+    """Every rank's float vector `values`, one row per rank."""
+    row = np.asarray(values, np.float64).reshape(1, -1)
+    return kr.allgather(row, name=f"worker.{tag}").numpy()
+
+
+def state(variables):
+    return np.concatenate([np.ravel(keras.ops.convert_to_numpy(v)) for v in variables]).astype(
+        np.float64
+    )
+
+
+def small_model(optimizer=None, model_class=keras.Sequential):
+    model = model_class(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def data(batches, seed):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(batches * BATCH, 3)), rng.normal(size=(batches * BATCH, 1))
+
+
+class EpochMetric(keras.callbacks.Callback):
+    """Logs a metric of this rank's own, `rank_metric = rank`, and records the logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["rank_metric"] = float(RANK)
+        self.logs.append(dict(logs))
+
+
+class Recorder(keras.callbacks.Callback):
+    """Records the epoch-end logs and the (epoch, batch) of every ended batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+        self.batches = []
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append((self.epoch, batch))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.logs.append(dict(logs))
+
+
+class CollectiveStepModel(keras.Sequential):
+    """Communicates in every train step, as a DistributedOptimizer does."""
+
+    def train_step(self, data):
+        kr.allreduce(tf.constant(1.0), name="worker.train_step")
+        return super().train_step(data)
+
+
+def scenario_broadcast(out_dir):
+    """From root size-1: equal model and optimizer state before the first update, and after it."""
+    root = SIZE - 1
+    keras.utils.set_random_seed(100 + RANK)
+    optimizer = keras.optimizers.Adam(0.01)
+    model = small_model(optimizer)
+    initial = gathered(state(model.weights), "broadcast.initial")
+    check(not np.array_equal(initial[0], initial[1]), "ranks should start from different weights")
+    if RANK == root:
+        # State that only the root has: slots, step count.
+        optimizer.build(model.trainable_weights)
+        rng = np.random.default_rng(7)
+        for variable in optimizer.variables:
+            if variable is optimizer.iterations:
+                variable.assign(7)
+            elif variable is not optimizer.learning_rate:
+                variable.assign(rng.uniform(0.1, 1.0, variable.shape))
+        root_state = state(model.weights + optimizer.variables)
+    else:
+        check(not optimizer.built, "the optimizer should not be built before fit")
+
+    class CaptureBeforeFirstStep(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                self.state = state(self.model.weights + self.model.optimizer.variables)
+
+    capture = CaptureBeforeFirstStep()
+    x, y = data(1, seed=0)  # the same batch on every rank
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        verbose=0,
+        callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(root), capture],
+    )
+    before = gathered(capture.state, "broadcast.before")
+    check((before == before[root]).all(), "state before the first update differs between ranks")
+    if RANK == root:
+        check(np.array_equal(capture.state, root_state), "the root's state changed")
+    after = gathered(state(model.weights + optimizer.variables), "broadcast.after")
+    # Equal up to rounding: Eigen's vectorised reductions round by memory
+    # alignment, which differs between processes.
+    check(
+        np.allclose(after, after[root], rtol=1e-5, atol=1e-7),
+        "state after one identical step differs between ranks",
+    )
+    check(int(optimizer.iterations.numpy()) == 8, "the root's step count was not broadcast")
+
+
+def scenario_metric_average(out_dir):
+    """Averaged epoch-end logs on every rank; EarlyStopping after the averaging sees the mean."""
+    model = small_model()
+    x, y = data(4, seed=RANK)
+    own = EpochMetric()
+    seen = Recorder()
+    # rank_metric = rank: below the baseline on rank 0 only, while the mean
+    # ((size - 1) / 2 >= 0.5) never beats it, so all ranks stop after epoch 2.
+    stopping = keras.callbacks.EarlyStopping(
+        monitor="rank_metric", mode="min", baseline=0.5, patience=1
+    )
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=5,
+        verbose=0,
+        callbacks=[own, kr.callbacks.MetricAverageCallback(), seen, stopping],
+    )
+    check(len(seen.logs) == 2, f"EarlyStopping should stop after 2 epochs, ran {len(seen.logs)}")
+    for epoch, (mine, averaged) in enumerate(zip(own.logs, seen.logs)):
+        losses = gathered([mine["loss"]], f"metrics.loss.{epoch}")[:, 0]
+        check(
+            np.isclose(averaged["loss"], losses.mean(), rtol=1e-12),
+            f"epoch {epoch}: averaged loss {averaged['loss']}, expected {losses.mean()}",
+        )
+        check(
+            averaged["rank_metric"] == (SIZE - 1) / 2,
+            f"epoch {epoch}: rank_metric {averaged['rank_metric']}",
+        )
+    check(history.history["loss"] == [e["loss"] for e in seen.logs], "History is not averaged")
+
+
+def scenario_agreed_stopping(out_dir):
+    """TerminateOnNaN on the last rank, then EarlyStopping on the last rank: all stop alike."""
+    nan_batch = 2
+    x, y = data(6, seed=RANK)
+    if RANK == SIZE - 1:
+        y[nan_batch * BATCH : (nan_batch + 1) * BATCH] = np.nan
+    seen = Recorder()
+    small_model().fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.TerminateOnNaN(), kr.callbacks.AgreedStoppingCallback(), seen],
+    )
+    expected = [(0, b) for b in range(nan_batch + 1)]
+    check(seen.batches == expected, f"TerminateOnNaN: ran batches {seen.batches}, not {expected}")
+
+    seen = Recorder()
+    # Only the last rank's own rank_metric misses the baseline.
+    stopping = keras.callbacks.EarlyStopping(
+        monitor="rank_metric", mode="min", baseline=SIZE - 1.5, patience=1
+    )
+    x, y = data(2, seed=RANK)
+    small_model().fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=5,
+        verbose=0,
+        callbacks=[EpochMetric(), stopping, kr.callbacks.AgreedStoppingCallback(), seen],
+    )
+    check(len(seen.logs) == 2, f"EarlyStopping on one rank: ran {len(seen.logs)} epochs, not 2")
+
+
+def scenario_rank_zero_files(out_dir):
+    """Checkpoints and CSV logs are written by rank 0 only (the test lists them)."""
+    x, y = data(2, seed=RANK)
+    path = os.path.join(out_dir, f"{{}}_rank{RANK}")
+    seen = Recorder()
+    history = small_model().fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            kr.callbacks.MetricAverageCallback(),
+            kr.callbacks.BestModelCheckpoint(path.format("best") + ".keras", monitor="loss"),
+            kr.callbacks.rank_zero_only(keras.callbacks.CSVLogger(path.format("log") + ".csv")),
+            kr.callbacks.rank_zero_only(
+                keras.callbacks.ModelCheckpoint(path.format("checkpoint") + ".keras")
+            ),
+            seen,
+        ],
+    )
+    if RANK == 0:
+        rows = np.genfromtxt(path.format("log") + ".csv", delimiter=",", names=True)
+        check(
+            np.allclose(rows["loss"], history.history["loss"]),
+            "the CSV log should hold the averaged loss",
+        )
+
+
+def expect_error(tag, fit, *fragments):
+    """Runs `fit`, which must raise a RuntimeError containing `fragments` within GUARD_SECONDS."""
+    start = time.monotonic()
+    try:
+        fit()
+    except RuntimeError as e:
+        message = str(e)
+        missing = [f for f in fragments if f not in message]
+        check(not missing, f"{tag}: the message lacks {missing}: {message}")
+        if RANK == 0:
+            print(f"{tag}: {message}")
+    else:
+        check(False, f"{tag}: fit() did not raise")
+    elapsed = time.monotonic() - start
+    check(elapsed < GUARD_SECONDS, f"{tag}: took {elapsed:.1f} s")
+
+
+def scenario_guard(out_dir):
+    """Ranks out of step raise an actionable error on every rank instead of waiting."""
+    steps = [f"rank {r}: {4 + r}" for r in range(SIZE)]
+
+    # Known lengths (arrays): caught at the start of training.
+    x, y = data(4 + RANK, seed=RANK)
+    expect_error(
+        "known steps",
+        lambda: small_model().fit(
+            x,
+            y,
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)],
+        ),
+        "different numbers of steps per epoch",
+        *steps,
+        "shard_dataset",
+    )
+
+    # Unknown lengths: caught where the first rank runs out of data.
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(BATCH)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        expect_error(
+            "unknown steps",
+            lambda: small_model().fit(
+                dataset, verbose=0, callbacks=[kr.callbacks.MetricAverageCallback()]
+            ),
+            "out of step",
+            "rank 0 has ended epoch 1 after 4 steps",
+            "rank 1 is starting step 6 of epoch 1",
+            "AgreedStoppingCallback",
+        )
+    unknown_warnings = [w for w in caught if "unknown length" in str(w.message)]
+    check(len(unknown_warnings) == (RANK == 0), f"unknown-length warnings: {unknown_warnings}")
+
+    # A rank that stops alone, although every train step communicates: caught
+    # at the start of the next step, before the train step's collective.
+    x, y = data(6, seed=RANK)
+    if RANK == SIZE - 1:
+        y[BATCH : 2 * BATCH] = np.nan
+    expect_error(
+        "stopped alone",
+        lambda: small_model(model_class=CollectiveStepModel).fit(
+            x,
+            y,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[keras.callbacks.TerminateOnNaN(), kr.callbacks.MetricAverageCallback()],
+        ),
+        "out of step",
+        f"rank {SIZE - 1} has ended epoch 1 after 2 steps",
+        "rank 0 is starting step 3 of epoch 1",
+        "AgreedStoppingCallback",
+    )
+
+    # Different metrics: named per rank.
+    class ExtraMetric(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if RANK == 0:
+                logs["extra"] = 1.0
+
+    x, y = data(2, seed=RANK)
+    expect_error(
+        "different metrics",
+        lambda: small_model().fit(
+            x,
+            y,
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[ExtraMetric(), kr.callbacks.MetricAverageCallback()],
+        ),
+        "logged different metrics",
+        "rank 0: [extra, loss]",
+        "rank 1: [loss]",
+    )
+
+
+SCENARIOS = {
+    "broadcast": scenario_broadcast,
+    "metric_average": scenario_metric_average,
+    "agreed_stopping": scenario_agreed_stopping,
+    "rank_zero_files": scenario_rank_zero_files,
+    "guard": scenario_guard,
+}
+
+
+def main():
+    global RANK, SIZE
+    kr.init()
+    RANK, SIZE = kr.rank(), kr.size()
+    out_dir, names = sys.argv[1], sys.argv[2:]
+    for name in names:
+        start = time.monotonic()
+        try:
+            SCENARIOS[name](out_dir)
+        except Exception:
+            traceback.print_exc()
+            print(f"rank {RANK}: scenario {name} raised", flush=True)
+            os._exit(1)
+        if RANK == 0:
+            print(f"{name}: {time.monotonic() - start:.1f} s", flush=True)
+    for failure in failures:
+        print(failure, flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
