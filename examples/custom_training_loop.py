@@ -40,8 +40,7 @@ def main():
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(1)])
     optimizer = keras.optimizers.SGD(0.05)
     optimizer.build(model.trainable_variables)
-    for i, v in enumerate(model.variables + optimizer.variables):
-        v.assign(kr.broadcast(v, root_rank=0, name=f"initial.{i}"))
+    kr.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
 
     @tf.function
     def train_step(xb, yb):

@@ -37,6 +37,7 @@ _LAZY = {
     "grouped_allreduce": "keras_ring._ops",
     "allgather": "keras_ring._ops",
     "broadcast": "keras_ring._ops",
+    "broadcast_variables": "keras_ring._ops",
     "Compression": "keras_ring._compression",
     "DistributedOptimizer": "keras_ring._optimizer",
     "load_model": "keras_ring._optimizer",

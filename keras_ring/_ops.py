@@ -340,6 +340,27 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
     )
 
 
+def broadcast_variables(variables, root_rank, name="keras_ring.broadcast_variables"):
+    """Assigns every variable the value it has on `root_rank`.
+
+    Variables are matched by their position in the list (Keras's variable
+    paths follow per-process counters and may differ between ranks), so every
+    rank must pass the same variables in the same order.
+
+    Args:
+        variables: A list of `tf.Variable`s or Keras variables.
+        root_rank: The rank whose values every rank receives.
+        name: The prefix of the collectives' names; variable i is `<name>.<i>`.
+
+    Example:
+
+    >>> keras_ring.broadcast_variables(model.weights, root_rank=0)
+    """
+    for i, variable in enumerate(variables):
+        variable.assign(broadcast(variable, root_rank, name=f"{name}.{i}",
+                                  ignore_name_scope=True))
+
+
 def _gradient_reduction(op, api):
     reduce_op = op.get_attr("reduce_op")
     if reduce_op not in _LINEAR_OPS:

@@ -9,6 +9,7 @@ values across ranks.
 import functools
 import subprocess
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -390,3 +391,14 @@ def test_errors_when_not_initialized():
     finally:
         kr.init()
     assert_equal(allreduce(x), x)
+
+
+def test_broadcast_variables_assigns_tf_and_keras_variables():
+    kr.init()
+    tf_var = tf.Variable([1.0, 2.0])
+    keras_var = keras.Variable(np.ones((2, 2), "float32"))
+    kr.broadcast_variables([tf_var, keras_var], root_rank=0)
+    np.testing.assert_array_equal(tf_var.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(keras_var.numpy(), np.ones((2, 2)))
+    with pytest.raises(ValueError, match="Received: root_rank=1"):
+        kr.broadcast_variables([tf_var], root_rank=1)

@@ -68,14 +68,7 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
         variables = self._variables()
         self._check_same_variables(variables)
         with tf.device(self.device):
-            for i, variable in enumerate(variables):
-                # Named by position: variable paths follow Keras's per-process
-                # layer counters, which may differ between ranks.
-                variable.assign(
-                    _ops.broadcast(
-                        variable.value, self.root_rank, name=f"keras_ring.broadcast_variables.{i}"
-                    )
-                )
+            _ops.broadcast_variables(variables, self.root_rank)
 
     def _variables(self):
         optimizer = self.model.optimizer
