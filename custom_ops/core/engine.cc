@@ -153,6 +153,9 @@ kr_status Engine::Init(std::string* error) {
     MPI_Comm_free(&local);
     MPI_Comm_free(&cross);
     topology_ = t;
+    // Alone, a collective is a copy at most: packing a fusion buffer would
+    // only add two more.
+    if (t.size == 1) fusion_threshold_ = 0;
   } catch (const EngineError& e) {
     SetError(error, e.what());
     return KR_INTERNAL;
