@@ -12,28 +12,16 @@ plot to benchmarks/results/.
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _timing import median_seconds  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (initialises MPI before keras-ring, which then shares it)
 
 import keras_ring as kr  # noqa: E402
 from keras_ring import _engine  # noqa: E402
-
-
-def timed(fn, iters, comm):
-    """Median seconds of `iters` calls, each started together on every rank."""
-    times = []
-    for _ in range(iters):
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    # A collective finishes when its slowest rank does.
-    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
 
 
 def main():
@@ -73,7 +61,7 @@ def main():
         for fn in methods.values():  # warm up: first-use costs are not what we measure
             fn()
         for name, fn in methods.items():
-            seconds = timed(fn, args.iters, comm)
+            seconds = median_seconds(fn, args.iters, comm)
             algbw = n * 4 / seconds / 1e9
             rows.append({"method": name, "bytes": n * 4, "ranks": size, "seconds": seconds,
                          "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (size - 1) / size})

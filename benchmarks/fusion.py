@@ -14,25 +14,15 @@ plot to benchmarks/results/.
 import argparse
 import json
 import os
-import time
 
 import numpy as np
+from _timing import median_seconds
 from mpi4py import MPI  # initialises MPI first; keras-ring shares it
 
 import keras_ring as kr
 from keras_ring import _engine
 
 CASES = [(100, 4096), (1000, 1024)]
-
-
-def median_seconds(fn, iters, comm):
-    times = []
-    for _ in range(iters):
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
 
 
 def engine_many(tensors, tag):
