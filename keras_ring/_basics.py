@@ -7,6 +7,7 @@ so the launcher starts fast and can explain a missing MPI itself.
 
 import atexit
 import importlib
+import os
 import sys
 import threading
 
@@ -46,17 +47,39 @@ def _line_buffer_output():
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
-def init(comm=None, process_sets=None):
+_SETTINGS = {
+    "fusion_threshold": "KERAS_RING_FUSION_THRESHOLD",
+    "cycle_time": "KERAS_RING_CYCLE_TIME",
+    "stall_check_time": "KERAS_RING_STALL_CHECK_TIME",
+    "stall_shutdown_time": "KERAS_RING_STALL_SHUTDOWN_TIME",
+}
+
+
+def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
+         stall_check_time=None, stall_shutdown_time=None):
     """Starts keras-ring in this process: MPI (unless already started) and the engine.
 
     A script started without a launcher is a job of size 1. Calling `init()`
     again while initialised does nothing; after `shutdown()` it starts again.
+    Each setting left `None` comes from its environment variable
+    (`KERAS_RING_FUSION_THRESHOLD`, ...; Horovod's `HOROVOD_*` names are read
+    too); a value given here sets that variable for this process. Every rank
+    should use the same settings.
 
     Args:
         comm: Reserved for an mpi4py communicator or a list of world ranks,
             as in Horovod. Only `None` (the whole job) is supported so far.
         process_sets: Reserved for Horovod's process sets. Only `None` is
             supported so far.
+        fusion_threshold: Bytes up to which allreduces that are ready together
+            are fused into one collective (default 64 MiB; 0: no fusion).
+        cycle_time: Milliseconds an agreed tensor may wait for others to fuse
+            with (default 0: none).
+        stall_check_time: Seconds after which rank 0 reports a tensor that
+            some ranks wait for and others have not submitted (default 60;
+            0: never).
+        stall_shutdown_time: Seconds after which such a tensor fails on the
+            ranks that wait for it (default 0: never).
 
     Raises:
         ValueError: if `comm` or `process_sets` is given.
@@ -84,6 +107,17 @@ def init(comm=None, process_sets=None):
     with _lock:
         if _topology is not None:
             return
+        settings = dict(fusion_threshold=fusion_threshold, cycle_time=cycle_time,
+                        stall_check_time=stall_check_time,
+                        stall_shutdown_time=stall_shutdown_time)
+        for argument, value in settings.items():
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"keras-ring: `{argument}` must be a non-negative number. "
+                                 f"Received: {argument}={value!r}")
+            os.environ[_SETTINGS[argument]] = str(int(value) if argument == "fusion_threshold"
+                                                  else value)
         info = _launcher.read_build_info()
         _mpi_env.check_launcher_environment(info)
         engine = _engine()

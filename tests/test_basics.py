@@ -1,5 +1,6 @@
 """Single-process behaviour of init, shutdown and the topology queries."""
 
+import os
 import subprocess
 import sys
 
@@ -54,6 +55,38 @@ def test_build_flags():
     assert kr.mpi_built() is True
     assert kr.nccl_built() is False
     assert kr.cuda_built() is False
+
+
+@pytest.mark.parametrize("argument", ["fusion_threshold", "cycle_time", "stall_check_time",
+                                      "stall_shutdown_time"])
+@pytest.mark.parametrize("value", [-1, "10", True])
+def test_init_rejects_bad_settings(argument, value):
+    with pytest.raises(ValueError, match=f"Received: {argument}="):
+        kr.init(**{argument: value})
+
+
+def test_init_settings_reach_the_engine():
+    result = run_python(
+        "import numpy as np, keras_ring as kr\n"
+        "from keras_ring import _engine\n"
+        "kr.init(fusion_threshold=1 << 20, cycle_time=0.5, stall_check_time=30)\n"
+        "print(_engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), 'x').wait())\n"
+        "kr.shutdown()\n"
+        "import os\n"
+        "print(os.environ['KERAS_RING_FUSION_THRESHOLD'], os.environ['KERAS_RING_CYCLE_TIME'])\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ["1048576", "0.5"]
+
+
+def test_a_bad_setting_in_the_environment_is_named():
+    result = subprocess.run(
+        [sys.executable, "-c", "import keras_ring as kr; kr.init()"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "KERAS_RING_CYCLE_TIME": "soon"},
+    )
+    assert result.returncode != 0
+    assert "KERAS_RING_CYCLE_TIME must be a number of milliseconds" in result.stderr
 
 
 def test_init_rejects_unsupported_arguments():

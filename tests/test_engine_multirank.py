@@ -8,12 +8,14 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_worker.py")
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("fusion_threshold", [None, "0"], ids=["fusion", "no-fusion"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"KERAS_RING_FUSION_THRESHOLD": "0"}, {"KERAS_RING_CYCLE_TIME": "2"}],
+    ids=["fusion", "no-fusion", "cycle-time"],
+)
 @pytest.mark.parametrize("np_", [2, 3])
-def test_engine_collectives(run_ranks, np_, fusion_threshold):
-    env = {"KR_TEST_EXPECTED_SIZE": str(np_)}
-    if fusion_threshold is not None:
-        env["KERAS_RING_FUSION_THRESHOLD"] = fusion_threshold
+def test_engine_collectives(run_ranks, np_, settings):
+    env = {"KR_TEST_EXPECTED_SIZE": str(np_), **settings}
     result = run_ranks(np_, WORKER, timeout=600, env=env)
     for rank in range(np_):
         assert f"rank {rank}: test_restart ok" in result.stdout

@@ -98,6 +98,8 @@ typedef struct kr_stats {
  * KR_OK or an error with a message in err. Calling it twice is a no-op.
  * Settings come from the environment (Horovod's names are read too):
  * KERAS_RING_FUSION_THRESHOLD (bytes, default 64 MiB, 0 disables fusion),
+ * KERAS_RING_CYCLE_TIME (milliseconds, default 0: how long agreed tensors
+ * wait for others to fuse with, unless the threshold is reached first),
  * KERAS_RING_STALL_CHECK_TIME (seconds, default 60, 0 disables the report of
  * tensors some ranks wait for), KERAS_RING_STALL_SHUTDOWN_TIME (seconds,
  * default 0 = never: after it, a stalled tensor fails on the waiting ranks). */

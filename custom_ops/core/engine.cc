@@ -100,6 +100,9 @@ kr_status Engine::Init(std::string* error) {
     stall_check_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"},
         kDefaultStallCheckSeconds, "a number of seconds", ParseSeconds));
+    cycle_time_ = Seconds(Setting<double>({"KERAS_RING_CYCLE_TIME", "HOROVOD_CYCLE_TIME"}, 0.0,
+                                          "a number of milliseconds", ParseSeconds) /
+                          1000.0);
     stall_shutdown_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"}, 0.0,
         "a number of seconds", ParseSeconds));
@@ -398,10 +401,20 @@ bool Engine::ReceiveOnCoordinator(ResponseList* out) {
     }
   }
   if (stall_shutdown_.count()) coordinator_->FailStalled(now, stall_shutdown_, &decided_);
+  out->shutdown_rank = coordinator_->FirstShutdownRank();
+  if (decided_.empty() && out->shutdown_rank < 0) return false;
+  if (decided_since_ == Coordinator::Clock::time_point()) decided_since_ = now;
+  // The cycle time holds agreed tensors back for a moment, so that tensors
+  // that become ready just after them share their fused collective.
+  size_t decided_bytes = 0;
+  for (const Response& r : decided_) decided_bytes += r.bytes;
+  if (out->shutdown_rank < 0 && now - decided_since_ < cycle_time_ &&
+      decided_bytes < fusion_threshold_) {
+    return false;
+  }
+  decided_since_ = Coordinator::Clock::time_point();
   out->responses = Fuse(std::move(decided_), fusion_threshold_);
   decided_.clear();
-  out->shutdown_rank = coordinator_->FirstShutdownRank();
-  if (out->responses.empty() && out->shutdown_rank < 0) return false;
   auto bytes = std::make_shared<std::vector<char>>(SerializeResponses(*out));
   for (int r = 0; r < topology_.size; ++r) {
     if (r == kCoordinator) continue;

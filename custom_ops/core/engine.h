@@ -87,11 +87,13 @@ class Engine {
   bool shutdown_sent_ = false;
   std::unique_ptr<Coordinator> coordinator_;       // rank 0 only
   std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
+  std::chrono::steady_clock::time_point decided_since_;  // when decided_ became non-empty
   // Control messages in flight with the bytes they send from.
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
   std::unique_ptr<Transport> transport_;
   size_t fusion_threshold_ = 0;
   std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
+  std::chrono::steady_clock::duration cycle_time_{};  // 0: send agreed tensors at once
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective
   struct {
     std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0};
