@@ -10,13 +10,13 @@ plot to benchmarks/results/.
 """
 
 import argparse
-import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _report import save_plot, write_results
 from _timing import median_seconds  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (initialises MPI before keras-ring, which then shares it)
 
@@ -76,21 +76,9 @@ def main():
         r["time_vs_mpi4py"] = r["seconds"] / base[r["bytes"]]
         print(f"{r['method']:<20}{r['bytes'] / 2**20:>8.1f}{r['seconds'] * 1e3:>10.2f}"
               f"{r['algbw_GBps']:>12.2f}{r['busbw_GBps']:>12.2f}{r['time_vs_mpi4py']:>10.2f}")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"allreduce_vs_mpi4py_{size}ranks")
-    with open(stem + ".json", "w") as f:
-        json.dump({"ranks": size, "iters": args.iters, "rows": rows}, f, indent=2)
-    plot(rows, size, stem + ".png")
-    print(f"wrote {stem}.json and {stem}.png")
-
-
-def plot(rows, size, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    name = f"allreduce_vs_mpi4py_{size}ranks"
+    fig, ax = write_results(args.out, name, {"ranks": size, "iters": args.iters, "rows": rows},
+                            figsize=(6, 4))
     for method in dict.fromkeys(r["method"] for r in rows):
         pts = [r for r in rows if r["method"] == method]
         ax.plot([r["bytes"] / 2**20 for r in pts], [r["busbw_GBps"] for r in pts], "o-",
@@ -100,8 +88,7 @@ def plot(rows, size, path):
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(f"allreduce float32, {size} ranks")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_plot(fig, args.out, name)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ plot to benchmarks/results/.
 """
 
 import argparse
-import json
 import os
 
 import numpy as np
+from _report import save_plot, write_results
 from _timing import median_seconds
 from mpi4py import MPI  # initialises MPI first; keras-ring shares it
 
@@ -78,25 +78,17 @@ def main():
         r["vs_one_mpi4py_allreduce"] = r["seconds"] / base[r["case"]]
         print(f"{r['case']:<16}{r['method']:<42}{r['seconds'] * 1e3:>10.2f}"
               f"{r['vs_one_mpi4py_allreduce']:>14.2f}")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"fusion_{kr.size()}ranks")
-    with open(stem + ".json", "w") as f:
-        json.dump({"ranks": kr.size(), "iters": args.iters, "rows": rows}, f, indent=2)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(CASES), figsize=(11, 3.8))
+    name = f"fusion_{kr.size()}ranks"
+    fig, axes = write_results(args.out, name,
+                              {"ranks": kr.size(), "iters": args.iters, "rows": rows},
+                              ncols=len(CASES), figsize=(11, 3.8))
     for ax, (count, nbytes) in zip(axes, CASES):
         label = f"{count} x {nbytes // 1024} KiB"
         pts = sorted((r for r in rows if r["case"] == label), key=lambda r: r["seconds"])
         ax.barh([r["method"] for r in pts], [r["seconds"] * 1e3 for r in pts])
         ax.set_title(label)
         ax.set_xlabel("ms")
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=100)
-    print(f"wrote {stem}.json and {stem}.png")
+    save_plot(fig, args.out, name)
 
 
 if __name__ == "__main__":

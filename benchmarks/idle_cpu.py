@@ -10,11 +10,11 @@ every cycle costs: Horovod's background loop). Rank 0 prints the table
 """
 
 import argparse
-import json
 import os
 import time
 
 import numpy as np
+from _report import save_plot, write_results
 from mpi4py import MPI
 
 import keras_ring as kr
@@ -60,22 +60,14 @@ def main():
     for r in rows:
         print(f"{r['method']:<32}{r['cpu_percent_max']:>10.3f}  "
               + ", ".join(f"{p:.3f}" for p in r["cpu_percent_per_rank"]))
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"idle_cpu_{kr.size()}ranks")
-    with open(stem + ".json", "w") as f:
-        json.dump({"ranks": kr.size(), "seconds": args.seconds, "rows": rows}, f, indent=2)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 2.8))
+    name = f"idle_cpu_{kr.size()}ranks"
+    fig, ax = write_results(args.out, name,
+                            {"ranks": kr.size(), "seconds": args.seconds, "rows": rows},
+                            figsize=(6, 2.8))
     ax.barh([r["method"] for r in rows], [r["cpu_percent_max"] for r in rows])
     ax.set_xscale("log")
     ax.set_xlabel("% of one core (busiest rank, log scale)")
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=100)
-    print(f"wrote {stem}.json and {stem}.png")
+    save_plot(fig, args.out, name)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+from _report import save_plot, write_results
+
 RESULT_PREFIX = "KERAS_FIT_RESULT "
 
 
@@ -108,23 +110,13 @@ def driver(args):
     print(f"overhead of keras-ring at 1 rank: {summary['overhead_at_1_rank'] * 100:+.1f}% time "
           f"per sample; scaling efficiency at 2 ranks: "
           f"{summary['scaling_efficiency_at_2_ranks'] * 100:.0f}%")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "keras_fit")
-    with open(stem + ".json", "w") as f:
-        json.dump({"steps": args.steps, "batch": args.batch, "rows": rows, **summary}, f,
-                  indent=2)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = write_results(
+        args.out, "keras_fit",
+        {"steps": args.steps, "batch": args.batch, "rows": rows, **summary}, figsize=(6, 3.5))
     ax.bar([r["config"] for r in rows], [r["samples_per_s"] for r in rows])
     ax.set_ylabel("samples/s (all ranks)")
     ax.set_title("model.fit throughput")
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=100)
-    print(f"wrote {stem}.json and {stem}.png")
+    save_plot(fig, args.out, "keras_fit")
 
 
 def main():
