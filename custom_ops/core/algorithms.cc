@@ -48,42 +48,51 @@ void RingStep(Transport& t, int right, const char* send, size_t send_bytes, int 
 
 }  // namespace
 
-// Ring allreduce (reduce-scatter, then allgather), in place.
+namespace {
+
+void CheckReduction(DataType dtype, ReduceOp op, const void* buffer, size_t count,
+                    const char* what) {
+  KR_CHECK(IsValidDataType(static_cast<int>(dtype)),
+           std::string(what) + " dtype " + std::to_string(static_cast<int>(dtype)) +
+               " is not a kr_dtype");
+  KR_CHECK(IsValidReduceOp(static_cast<int>(op)),
+           std::string(what) + " op " + std::to_string(static_cast<int>(op)) +
+               " is not a kr_reduce_op");
+  KR_CHECK(buffer != nullptr || count == 0,
+           std::string(what) + " of " + std::to_string(count) + " elements has a null buffer");
+}
+
+}  // namespace
+
+// Ring reduce-scatter, in place.
 //
-// The count elements are cut into p chunks c0..c(p-1) whose sizes differ by
-// at most one element (some may be empty). Rank r sends to r+1 and receives
-// from r-1 (mod p). For p = 3, "cK->" sends chunk K to the right, "cK+="
-// receives chunk K from the left and reduces it into the local one, "cK="
-// receives it in place:
+// The buffer is cut into p blocks b0..b(p-1) (block c is rank c's result; its
+// size is counts[c], possibly 0). Rank r sends to r+1 and receives from r-1
+// (mod p). For p = 3, "bK->" sends block K to the right and "bK+=" receives
+// block K from the left and reduces it into the local one:
 //
-//   reduce-scatter  step 0       step 1       then owns
-//     rank 0        c0->, c2+=   c2->, c1+=   c1
-//     rank 1        c1->, c0+=   c0->, c2+=   c2
-//     rank 2        c2->, c1+=   c1->, c0+=   c0
-//   allgather       step 0       step 1
-//     rank 0        c1->, c0=    c0->, c2=
-//     rank 1        c2->, c1=    c1->, c0=
-//     rank 2        c0->, c2=    c2->, c1=
+//                 step 0       step 1       then owns
+//     rank 0      b2->, b1+=   b1->, b0+=   b0
+//     rank 1      b0->, b2+=   b2->, b1+=   b1
+//     rank 2      b1->, b0+=   b0->, b2+=   b2
 //
-// At step s rank r sends chunk (r-s) and reduces chunk (r-s-1) received from
-// the left; after p-1 steps chunk (r+1) holds the reduction of every rank's
-// input. The owner post-scales only that chunk (1/p of the scaling work).
-// The allgather then circulates the finished chunks: at step s rank r sends
-// chunk (r+1-s) and receives chunk (r-s) straight into the buffer. Each rank
-// sends 2(p-1)/p of the buffer in all.
+// At step s rank r sends block (r-1-s) and reduces block (r-2-s) received
+// from the left; the last step completes block r, which holds the reduction
+// of every rank's input, and only the owner post-scales it (1/p of the
+// scaling work). Each rank sends (p-1)/p of the buffer.
 //
-// A chunk travels in segments of at most segment_bytes: all receives of a
+// A block travels in segments of at most segment_bytes: all receives of a
 // step are posted at once and each segment is reduced as soon as it lands,
 // while the following segments are still in flight.
-void RingAllreduce(Transport& t, const AllreduceOptions& o) {
-  KR_CHECK(IsValidDataType(static_cast<int>(o.dtype)),
-           "allreduce dtype " + std::to_string(static_cast<int>(o.dtype)) + " is not a kr_dtype");
-  KR_CHECK(IsValidReduceOp(static_cast<int>(o.op)),
-           "allreduce op " + std::to_string(static_cast<int>(o.op)) + " is not a kr_reduce_op");
-  KR_CHECK(o.buffer != nullptr || o.count == 0,
-           "allreduce of " + std::to_string(o.count) + " elements has a null buffer");
+void RingReduceScatter(Transport& t, const ReduceScatterOptions& o) {
   const int p = t.size();
   const int r = t.rank();
+  KR_CHECK(o.counts.size() == size_t(p),
+           "reduce-scatter needs one block size per rank: expected " + std::to_string(p) +
+               ", got " + std::to_string(o.counts.size()));
+  std::vector<size_t> offsets(p + 1, 0);
+  for (int i = 0; i < p; ++i) offsets[i + 1] = offsets[i] + o.counts[i];
+  CheckReduction(o.dtype, o.op, o.buffer, offsets[p], "reduce-scatter");
   const size_t element_bytes = DataTypeSize(o.dtype);
   const size_t segment = SegmentBytes(o.segment_bytes, element_bytes);
 
@@ -93,42 +102,58 @@ void RingAllreduce(Transport& t, const AllreduceOptions& o) {
     op = ReduceOp::kSum;
     postscale *= 1.0 / p;
   }
-  if (o.count == 0) return;
+  if (offsets[p] == 0) return;
 
   char* buf = static_cast<char*>(o.buffer);
-  ScaleBuffer(buf, o.count, o.dtype, o.prescale_factor);
-  if (p == 1) {
-    ScaleBuffer(buf, o.count, o.dtype, postscale);
-    return;
-  }
+  auto block = [&](int c) { return buf + offsets[c] * element_bytes; };
+  auto block_bytes = [&](int c) { return o.counts[c] * element_bytes; };
+  ScaleBuffer(buf, offsets[p], o.dtype, o.prescale_factor);
 
-  const size_t base = o.count / p;
-  const size_t extra = o.count % p;  // the first `extra` chunks get one more element
-  auto chunk_bytes = [&](int c) { return (base + (size_t(c) < extra ? 1 : 0)) * element_bytes; };
-  auto chunk = [&](int c) { return buf + (c * base + std::min<size_t>(c, extra)) * element_bytes; };
   const int right = Mod(r + 1, p);
   const int left = Mod(r - 1, p);
-
-  std::vector<char> incoming(chunk_bytes(0));  // chunk 0 is a largest chunk
+  std::vector<char> incoming(*std::max_element(o.counts.begin(), o.counts.end()) * element_bytes);
   for (int s = 0; s < p - 1; ++s) {
-    const int send_c = Mod(r - s, p);
-    const int recv_c = Mod(r - s - 1, p);
-    char* target = chunk(recv_c);
-    RingStep(t, right, chunk(send_c), chunk_bytes(send_c), left, incoming.data(),
-             chunk_bytes(recv_c), segment, o.tag, [&](size_t off, size_t bytes) {
+    const int send_c = Mod(r - 1 - s, p);
+    const int recv_c = Mod(r - 2 - s, p);
+    char* target = block(recv_c);
+    RingStep(t, right, block(send_c), block_bytes(send_c), left, incoming.data(),
+             block_bytes(recv_c), segment, o.tag, [&](size_t off, size_t bytes) {
                ReduceInto(target + off, incoming.data() + off, bytes / element_bytes, o.dtype, op);
              });
   }
+  ScaleBuffer(block(r), o.counts[r], o.dtype, postscale);
+}
 
-  const int owned = Mod(r + 1, p);
-  ScaleBuffer(chunk(owned), chunk_bytes(owned) / element_bytes, o.dtype, postscale);
+// Ring allreduce: a ring reduce-scatter into p blocks whose sizes differ by at
+// most one element, then a ring allgather of the finished blocks in place.
+// Each rank sends 2(p-1)/p of the buffer in all.
+void RingAllreduce(Transport& t, const AllreduceOptions& o) {
+  CheckReduction(o.dtype, o.op, o.buffer, o.count, "allreduce");
+  const int p = t.size();
+  const size_t element_bytes = DataTypeSize(o.dtype);
+  ReduceScatterOptions rs;
+  rs.buffer = o.buffer;
+  for (int c = 0; c < p; ++c) rs.counts.push_back(o.count / p + (size_t(c) < o.count % p));
+  rs.dtype = o.dtype;
+  rs.op = o.op;
+  rs.prescale_factor = o.prescale_factor;
+  rs.postscale_factor = o.postscale_factor;
+  rs.segment_bytes = o.segment_bytes;
+  rs.tag = o.tag;
+  RingReduceScatter(t, rs);
+  if (p == 1 || o.count == 0) return;
 
-  for (int s = 0; s < p - 1; ++s) {
-    const int send_c = Mod(r + 1 - s, p);
-    const int recv_c = Mod(r - s, p);
-    RingStep(t, right, chunk(send_c), chunk_bytes(send_c), left, chunk(recv_c),
-             chunk_bytes(recv_c), segment, o.tag, [](size_t, size_t) {});
+  AllgatherOptions ag;
+  ag.output = o.buffer;
+  size_t before = 0;
+  for (int c = 0; c < p; ++c) {
+    ag.block_bytes.push_back(rs.counts[c] * element_bytes);
+    if (c < t.rank()) before += ag.block_bytes.back();
   }
+  ag.input = static_cast<char*>(o.buffer) + before;  // already in place
+  ag.segment_bytes = SegmentBytes(o.segment_bytes, element_bytes);  // whole elements
+  ag.tag = o.tag;
+  RingAllgather(t, ag);
 }
 
 // Ring allgather of variable-sized blocks. Each rank first copies its own
@@ -150,8 +175,10 @@ void RingAllgather(Transport& t, const AllgatherOptions& o) {
   const size_t segment = SegmentBytes(o.segment_bytes, 1);
 
   char* out = static_cast<char*>(o.output);
-  // memmove: the input may already sit at its place in the output.
-  if (o.block_bytes[r] > 0) std::memmove(out + offsets[r], o.input, o.block_bytes[r]);
+  // The input may already sit at its place in the output.
+  if (o.block_bytes[r] > 0 && o.input != out + offsets[r]) {
+    std::memmove(out + offsets[r], o.input, o.block_bytes[r]);
+  }
 
   const int right = Mod(r + 1, p);
   const int left = Mod(r - 1, p);
@@ -214,6 +241,47 @@ void Broadcast(Transport& t, const BroadcastOptions& o) {
     }
   }
   for (PendingPtr& s : sends) s->Wait();
+}
+
+// Pairwise exchange. Step s pairs rank r with r+s (to send) and r-s (to
+// receive); both sides know each block's size, so a zero-byte block posts
+// nothing. Receives are posted before sends, as in RingStep.
+void Alltoall(Transport& t, const AlltoallOptions& o) {
+  const int p = t.size();
+  const int r = t.rank();
+  KR_CHECK(o.send_bytes.size() == size_t(p) && o.recv_bytes.size() == size_t(p),
+           "alltoall needs one block size per rank: expected " + std::to_string(p) + ", got " +
+               std::to_string(o.send_bytes.size()) + " and " + std::to_string(o.recv_bytes.size()));
+  std::vector<size_t> send_off(p + 1, 0), recv_off(p + 1, 0);
+  for (int i = 0; i < p; ++i) {
+    send_off[i + 1] = send_off[i] + o.send_bytes[i];
+    recv_off[i + 1] = recv_off[i] + o.recv_bytes[i];
+  }
+  KR_CHECK(o.input != nullptr || send_off[p] == 0,
+           "alltoall of " + std::to_string(send_off[p]) + " bytes has a null input");
+  KR_CHECK(o.output != nullptr || recv_off[p] == 0,
+           "alltoall of " + std::to_string(recv_off[p]) + " bytes has a null output");
+  KR_CHECK(o.send_bytes[r] == o.recv_bytes[r],
+           "alltoall sends " + std::to_string(o.send_bytes[r]) + " bytes to itself but expects " +
+               std::to_string(o.recv_bytes[r]));
+  const size_t segment = SegmentBytes(o.segment_bytes, 1);
+  const char* in = static_cast<const char*>(o.input);
+  char* out = static_cast<char*>(o.output);
+  if (o.send_bytes[r] > 0) std::memcpy(out + recv_off[r], in + send_off[r], o.send_bytes[r]);
+  for (int s = 1; s < p; ++s) {
+    const int to = Mod(r + s, p);
+    const int from = Mod(r - s, p);
+    std::vector<PendingPtr> transfers;
+    for (size_t off = 0; off < o.recv_bytes[from]; off += segment) {
+      transfers.push_back(t.Irecv(out + recv_off[from] + off,
+                                  std::min(segment, o.recv_bytes[from] - off), from, o.tag));
+    }
+    for (size_t off = 0; off < o.send_bytes[to]; off += segment) {
+      transfers.push_back(t.Isend(in + send_off[to] + off,
+                                  std::min(segment, o.send_bytes[to] - off), to, o.tag));
+    }
+    for (PendingPtr& x : transfers) x->Wait();
+  }
 }
 
 }  // namespace keras_ring

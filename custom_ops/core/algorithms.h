@@ -27,6 +27,22 @@ struct AllreduceOptions {
 // that receiving the next segment overlaps reducing the current one.
 void RingAllreduce(Transport& t, const AllreduceOptions& o);
 
+struct ReduceScatterOptions {
+  void* buffer = nullptr;       // this rank's whole input; clobbered except its own block
+  std::vector<size_t> counts;   // elements of each rank's block, in rank order; may be 0
+  DataType dtype = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;  // kAverage = kSum with postscale / size
+  double prescale_factor = 1.0;
+  double postscale_factor = 1.0;
+  size_t segment_bytes = size_t(1) << 20;
+  int tag = 0;
+};
+
+// Ring reduce-scatter, in place: on return this rank's block of `buffer`
+// (after the blocks of lower ranks) holds the reduction of that block over
+// every rank, post-scaled. p-1 steps, segmented like the allreduce.
+void RingReduceScatter(Transport& t, const ReduceScatterOptions& o);
+
 struct AllgatherOptions {
   const void* input = nullptr;     // this rank's block, block_bytes[rank] bytes
   void* output = nullptr;          // sum(block_bytes) bytes, blocks in rank order
@@ -48,5 +64,18 @@ struct BroadcastOptions {
 
 // Binomial-tree broadcast from any root.
 void Broadcast(Transport& t, const BroadcastOptions& o);
+
+struct AlltoallOptions {
+  const void* input = nullptr;     // blocks for ranks 0..p-1, send_bytes[j] bytes each
+  std::vector<size_t> send_bytes;  // one entry per rank; may be 0
+  void* output = nullptr;          // blocks from ranks 0..p-1, recv_bytes[i] bytes each
+  std::vector<size_t> recv_bytes;  // must equal what rank i sends to this rank
+  size_t segment_bytes = size_t(1) << 20;
+  int tag = 0;
+};
+
+// Pairwise exchange: in step s (of p-1) rank r sends its block for r+s and
+// receives the block of r-s, so every rank sends and receives once per step.
+void Alltoall(Transport& t, const AlltoallOptions& o);
 
 }  // namespace keras_ring

@@ -41,6 +41,8 @@ typedef enum {
   KR_ALLREDUCE = 0,
   KR_ALLGATHER = 1,
   KR_BROADCAST = 2,
+  KR_REDUCESCATTER = 3,
+  KR_ALLTOALL = 4,
 } kr_collective;
 
 typedef enum {
@@ -61,13 +63,21 @@ typedef struct kr_request {
   const int64_t* shape;      /* copied by kr_enqueue */
   const void* input;
   /* Allreduce and broadcast write a result of the input's shape here; it may
-   * equal input (in place). Allgather leaves it NULL and gets its output from
-   * allocate_output once the gathered first dimension is known. */
+   * equal input (in place). Allgather, reducescatter and alltoall leave it
+   * NULL and get their output from allocate_output once its first dimension
+   * is known. */
   void* output;
-  kr_reduce_op reduce_op;    /* allreduce only */
-  double prescale_factor;    /* allreduce only: input scaled before reducing */
-  double postscale_factor;   /* allreduce only: result scaled after */
+  kr_reduce_op reduce_op;    /* allreduce and reducescatter */
+  double prescale_factor;    /* allreduce and reducescatter: input scaled before reducing */
+  double postscale_factor;   /* allreduce and reducescatter: result scaled after */
   int root_rank;             /* broadcast only */
+  /* Alltoall only: splits[j] rows (first-dimension slices) go to rank j, in
+   * rank order; nsplits is the world size, or 0 for an even split. Copied by
+   * kr_enqueue. received_splits, if not NULL, has room for one entry per rank
+   * and receives the rows that came from each rank before done is called. */
+  const int64_t* splits;
+  int nsplits;
+  int64_t* received_splits;
   int device;                /* KR_DEVICE_CPU; GPU ordinals come later */
   /* Called from the engine thread; returns NULL if allocation failed (NULL
    * is accepted for an output of zero bytes). */
@@ -92,6 +102,11 @@ typedef struct kr_stats {
   uint64_t tensors;        /* requests completed by them */
   uint64_t fused_tensors;  /* of those, requests that shared a fused collective */
 } kr_stats;
+
+/* Reducescatter: every rank passes a tensor of the same shape; rank r gets
+ * rows [start_r, start_r + rows_r) of the reduction, where the first
+ * dimension d is split as evenly as possible and the first d % size ranks
+ * get one row more (Horovod's split). */
 
 /* Starts the engine (and MPI if nobody has). Must be called from the thread
  * that will later let the process exit (the MPI "main" thread). Returns

@@ -53,6 +53,8 @@ const char* CollectiveName(Collective c) {
     case Collective::kAllreduce: return "allreduce";
     case Collective::kAllgather: return "allgather";
     case Collective::kBroadcast: return "broadcast";
+    case Collective::kReducescatter: return "reducescatter";
+    case Collective::kAlltoall: return "alltoall";
   }
   return "invalid collective";
 }
@@ -72,6 +74,6 @@ bool IsValidReduceOp(int op) {
   }
 }
 
-bool IsValidCollective(int c) { return c >= KR_ALLREDUCE && c <= KR_BROADCAST; }
+bool IsValidCollective(int c) { return c >= KR_ALLREDUCE && c <= KR_ALLTOALL; }
 
 }  // namespace keras_ring

@@ -36,6 +36,8 @@ enum class Collective : int {
   kAllreduce = KR_ALLREDUCE,
   kAllgather = KR_ALLGATHER,
   kBroadcast = KR_BROADCAST,
+  kReducescatter = KR_REDUCESCATTER,
+  kAlltoall = KR_ALLTOALL,
 };
 
 size_t DataTypeSize(DataType dtype);

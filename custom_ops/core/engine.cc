@@ -69,6 +69,30 @@ T Setting(std::initializer_list<const char*> names, T fallback, const char* what
   return fallback;
 }
 
+// Why alltoall cannot split `rows` rows as asked, or "".
+std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int size) {
+  const std::string received = "received splits of length " + std::to_string(splits.size()) +
+                               " for a first dimension of " + std::to_string(rows);
+  if (splits.empty()) {
+    if (rows % size == 0) return "";
+    return "alltoall without splits needs a first dimension divisible by the number of ranks (" +
+           std::to_string(size) + "); got " + std::to_string(rows) + ". Pass splits";
+  }
+  if (splits.size() != size_t(size)) {
+    return "alltoall needs one split per rank (" + std::to_string(size) + "); " + received;
+  }
+  int64_t total = 0;
+  for (int64_t s : splits) {
+    if (s < 0) return "alltoall splits must not be negative; " + received;
+    total += s;
+  }
+  if (total != rows) {
+    return "alltoall splits must add up to the first dimension; they add up to " +
+           std::to_string(total) + ", the first dimension is " + std::to_string(rows);
+  }
+  return "";
+}
+
 unsigned long long ParseCount(const char* text, char** end) { return std::strtoull(text, end, 10); }
 double ParseSeconds(const char* text, char** end) { return std::strtod(text, end); }
 
@@ -224,24 +248,29 @@ kr_status Engine::Enqueue(const kr_request& r) {
   for (int64_t d : req.meta.shape) {
     if (d < 0) return bad("negative dimension in shape");
   }
-  switch (req.meta.collective) {
-    case Collective::kAllreduce:
-      if (!IsValidReduceOp(r.reduce_op)) return bad("unknown reduce op " + std::to_string(r.reduce_op));
-      req.meta.op = static_cast<ReduceOp>(r.reduce_op);
-      req.meta.prescale_factor = r.prescale_factor;
-      req.meta.postscale_factor = r.postscale_factor;
-      break;
-    case Collective::kBroadcast:
-      req.meta.root_rank = r.root_rank;
-      break;
-    case Collective::kAllgather:
-      if (r.ndim < 1) return bad("allgather needs a tensor of rank 1 or more");
-      if (!r.allocate_output) return bad("allgather needs an allocate_output callback");
-      break;
+  const Collective c = req.meta.collective;
+  const bool allocates = c == Collective::kAllgather || c == Collective::kReducescatter ||
+                         c == Collective::kAlltoall;
+  if (c == Collective::kAllreduce || c == Collective::kReducescatter) {
+    if (!IsValidReduceOp(r.reduce_op)) return bad("unknown reduce op " + std::to_string(r.reduce_op));
+    req.meta.op = static_cast<ReduceOp>(r.reduce_op);
+    req.meta.prescale_factor = r.prescale_factor;
+    req.meta.postscale_factor = r.postscale_factor;
   }
-  if (req.meta.collective != Collective::kAllgather && ElementCount(req.meta.shape) > 0 &&
-      (!r.input || !r.output)) {
+  if (c == Collective::kBroadcast) req.meta.root_rank = r.root_rank;
+  if (allocates) {
+    if (r.ndim < 1) return bad(std::string(CollectiveName(c)) + " needs a tensor of rank 1 or more");
+    if (!r.allocate_output) {
+      return bad(std::string(CollectiveName(c)) + " needs an allocate_output callback");
+    }
+  }
+  if (ElementCount(req.meta.shape) > 0 && (!r.input || (!allocates && !r.output))) {
     return bad("input and output buffers are required");
+  }
+  if (c == Collective::kAlltoall) {
+    if (r.nsplits < 0 || (r.nsplits > 0 && !r.splits)) return bad("invalid splits");
+    req.meta.splits.assign(r.splits, r.splits + r.nsplits);
+    req.received_splits = r.received_splits;
   }
   req.input = r.input;
   req.output = r.output;
@@ -255,10 +284,13 @@ kr_status Engine::Enqueue(const kr_request& r) {
       return refuse(KR_NOT_INITIALIZED, "keras-ring is not initialised (call init() first) "
                                         "or has been shut down; tensor '" + name + "'");
     }
-    if (req.meta.collective == Collective::kBroadcast &&
-        (r.root_rank < 0 || r.root_rank >= topology_.size)) {
+    if (c == Collective::kBroadcast && (r.root_rank < 0 || r.root_rank >= topology_.size)) {
       return bad("root_rank " + std::to_string(r.root_rank) + " is outside [0, " +
                  std::to_string(topology_.size) + ")");
+    }
+    if (c == Collective::kAlltoall) {
+      std::string why = CheckSplits(req.meta.splits, req.meta.shape[0], topology_.size);
+      if (!why.empty()) return bad(why);
     }
     queue_.push_back(std::move(req));
   }
@@ -486,6 +518,12 @@ void Engine::Run(const std::vector<Request>& requests, const Response& resp) {
       case Collective::kAllgather:
         ok = RunAllgather(requests[0], resp);
         break;
+      case Collective::kReducescatter:
+        ok = RunReducescatter(requests[0]);
+        break;
+      case Collective::kAlltoall:
+        ok = RunAlltoall(requests[0], resp);
+        break;
     }
   } catch (const EngineError& e) {
     for (const Request& req : requests) {
@@ -549,27 +587,86 @@ void Engine::RunBroadcast(const Request& req) {
   Broadcast(*transport_, o);
 }
 
+void* Engine::AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
+                             std::vector<char>* scratch, bool* failed) {
+  const size_t bytes = ElementCount(shape) * DataTypeSize(req.meta.dtype);
+  void* out = req.allocate_output(req.ctx, static_cast<int>(shape.size()), shape.data());
+  // NULL is a failure only when there are bytes to hold (an empty tensor may
+  // have no buffer). Without an output this rank must still take part, or the
+  // others hang.
+  *failed = !out && bytes > 0;
+  if (!*failed) return out;
+  scratch->resize(bytes);
+  req.Complete(KR_INTERNAL, std::string("keras-ring: could not allocate the output of ") +
+                                CollectiveName(req.meta.collective) + " for tensor '" +
+                                req.meta.name + "'");
+  return scratch->data();
+}
+
 bool Engine::RunAllgather(const Request& req, const Response& resp) {
   const TensorMeta& m = req.meta;
   const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
   std::vector<int64_t> out_shape = m.shape;
-  out_shape[0] = std::accumulate(resp.first_dims.begin(), resp.first_dims.end(), int64_t{0});
+  out_shape[0] = std::accumulate(resp.rows.begin(), resp.rows.end(), int64_t{0});
   AllgatherOptions o;
-  for (int64_t d : resp.first_dims) o.block_bytes.push_back(static_cast<size_t>(d) * row_bytes);
+  for (int64_t d : resp.rows) o.block_bytes.push_back(static_cast<size_t>(d) * row_bytes);
   o.input = req.input;
-  const size_t out_bytes = static_cast<size_t>(out_shape[0]) * row_bytes;
-  void* out = req.allocate_output(req.ctx, static_cast<int>(out_shape.size()), out_shape.data());
-  // NULL is a failure only when there are bytes to hold (an empty tensor may
-  // have no buffer). Without an output this rank must still take part, or the
-  // others hang.
-  const bool failed = !out && out_bytes > 0;
-  std::vector<char> scratch(failed ? out_bytes : 0);
-  o.output = failed ? scratch.data() : out;
+  std::vector<char> scratch;
+  bool failed;
+  o.output = AllocateOutput(req, out_shape, &scratch, &failed);
   RingAllgather(*transport_, o);
-  if (failed) {
-    req.Complete(KR_INTERNAL, "keras-ring: could not allocate the output of allgather for "
-                              "tensor '" + m.name + "'");
+  return !failed;
+}
+
+bool Engine::RunReducescatter(const Request& req) {
+  const TensorMeta& m = req.meta;
+  const int p = topology_.size;
+  const size_t row_elements = ElementCount(m.shape, 1);
+  const size_t esize = DataTypeSize(m.dtype);
+  const int r = topology_.rank;
+  auto rows = [&](int rank) { return m.shape[0] / p + (rank < m.shape[0] % p); };
+  ReduceScatterOptions o;
+  for (int i = 0; i < p; ++i) o.counts.push_back(rows(i) * row_elements);
+  // The algorithm works in place over the whole input: use the fusion buffer.
+  const size_t total = ElementCount(m.shape);
+  if (fusion_buffer_.size() < total * esize) fusion_buffer_.resize(total * esize);
+  if (total) std::memcpy(fusion_buffer_.data(), req.input, total * esize);
+  o.buffer = fusion_buffer_.data();
+  o.dtype = m.dtype;
+  o.op = m.op;
+  o.prescale_factor = m.prescale_factor;
+  o.postscale_factor = m.postscale_factor;
+  RingReduceScatter(*transport_, o);
+  std::vector<int64_t> out_shape = m.shape;
+  out_shape[0] = rows(r);
+  std::vector<char> scratch;
+  bool failed;
+  void* out = AllocateOutput(req, out_shape, &scratch, &failed);
+  const size_t before = std::accumulate(o.counts.begin(), o.counts.begin() + r, size_t{0});
+  if (o.counts[r]) std::memcpy(out, fusion_buffer_.data() + before * esize, o.counts[r] * esize);
+  return !failed;
+}
+
+bool Engine::RunAlltoall(const Request& req, const Response& resp) {
+  const TensorMeta& m = req.meta;
+  const int p = topology_.size;
+  const int r = topology_.rank;
+  const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
+  AlltoallOptions o;
+  std::vector<int64_t> out_shape = m.shape;
+  out_shape[0] = 0;
+  for (int i = 0; i < p; ++i) {
+    const int64_t sent = resp.rows[size_t(r) * p + i], received = resp.rows[size_t(i) * p + r];
+    o.send_bytes.push_back(static_cast<size_t>(sent) * row_bytes);
+    o.recv_bytes.push_back(static_cast<size_t>(received) * row_bytes);
+    out_shape[0] += received;
+    if (req.received_splits) req.received_splits[i] = received;
   }
+  o.input = req.input;
+  std::vector<char> scratch;
+  bool failed;
+  o.output = AllocateOutput(req, out_shape, &scratch, &failed);
+  Alltoall(*transport_, o);
   return !failed;
 }
 

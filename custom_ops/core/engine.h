@@ -30,6 +30,7 @@ struct Request {
   const void* input = nullptr;
   void* output = nullptr;
   int device = KR_DEVICE_CPU;
+  int64_t* received_splits = nullptr;  // alltoall, optional
   void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape) = nullptr;
   void (*done)(void* ctx, kr_status status, const char* message) = nullptr;
   void* ctx = nullptr;
@@ -68,7 +69,15 @@ class Engine {
   void Run(const std::vector<Request>& requests, const Response& resp);
   void RunAllreduce(const std::vector<Request>& requests);
   void RunBroadcast(const Request& req);
-  bool RunAllgather(const Request& req, const Response& resp);  // false: failed, completed
+  // These three allocate their output through the request; each returns false
+  // if that failed (the request is then already completed with the error).
+  bool RunAllgather(const Request& req, const Response& resp);
+  bool RunReducescatter(const Request& req);
+  bool RunAlltoall(const Request& req, const Response& resp);
+  // Asks for the output; on failure returns a scratch buffer so that this rank
+  // still takes part in the collective, and sets *failed.
+  void* AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
+                       std::vector<char>* scratch, bool* failed);
   void FailAll(kr_status status, const std::string& message);
   // The loop has ended: refuse what is queued and whatever comes later.
   void StopAccepting(kr_status status, const std::string& message);

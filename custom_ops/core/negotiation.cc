@@ -73,12 +73,13 @@ std::string DimsToString(const std::vector<int64_t>& dims) {
 std::string TensorMeta::Describe() const {
   std::ostringstream s;
   s << CollectiveName(collective) << " of " << DataTypeName(dtype) << DimsToString(shape);
-  if (collective == Collective::kAllreduce) {
+  if (collective == Collective::kAllreduce || collective == Collective::kReducescatter) {
     s << " op=" << ReduceOpName(op);
     if (prescale_factor != 1.0) s << " prescale=" << prescale_factor;
     if (postscale_factor != 1.0) s << " postscale=" << postscale_factor;
   }
   if (collective == Collective::kBroadcast) s << " root=" << root_rank;
+  if (collective == Collective::kAlltoall && !splits.empty()) s << " splits=" << DimsToString(splits);
   return s.str();
 }
 
@@ -95,6 +96,7 @@ std::vector<char> SerializeMetas(const std::vector<TensorMeta>& metas, bool shut
     w.Put(m.postscale_factor);
     w.Put<int32_t>(m.root_rank);
     w.PutDims(m.shape);
+    w.PutDims(m.splits);
   }
   return w.Take();
 }
@@ -113,6 +115,7 @@ void DeserializeMetas(const std::vector<char>& bytes, std::vector<TensorMeta>* m
     m.postscale_factor = r.Get<double>();
     m.root_rank = r.Get<int32_t>();
     m.shape = r.GetDims();
+    m.splits = r.GetDims();
   }
 }
 
@@ -125,7 +128,7 @@ std::vector<char> SerializeResponses(const ResponseList& list) {
     for (const auto& name : resp.names) w.PutString(name);
     w.PutString(resp.error);
     w.Put<int32_t>(resp.status);
-    w.PutDims(resp.first_dims);
+    w.PutDims(resp.rows);
   }
   return w.Take();
 }
@@ -140,7 +143,7 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes) {
     for (auto& name : resp.names) name = r.GetString();
     resp.error = r.GetString();
     resp.status = static_cast<kr_status>(r.Get<int32_t>());
-    resp.first_dims = r.GetDims();
+    resp.rows = r.GetDims();
   }
   return list;
 }
@@ -180,6 +183,7 @@ Response Coordinator::Decide(const std::string& name, const Entry& entry) const 
     if (!agree) break;
     switch (first.collective) {
       case Collective::kAllreduce:
+      case Collective::kReducescatter:
         agree = m.shape == first.shape && m.op == first.op &&
                 m.prescale_factor == first.prescale_factor &&
                 m.postscale_factor == first.postscale_factor;
@@ -188,6 +192,7 @@ Response Coordinator::Decide(const std::string& name, const Entry& entry) const 
         agree = m.shape == first.shape && m.root_rank == first.root_rank;
         break;
       case Collective::kAllgather:
+      case Collective::kAlltoall:
         // Only the first dimension may differ between ranks.
         agree = m.shape.size() == first.shape.size() &&
                 std::equal(m.shape.begin() + (m.shape.empty() ? 0 : 1), m.shape.end(),
@@ -205,7 +210,15 @@ Response Coordinator::Decide(const std::string& name, const Entry& entry) const 
     return resp;
   }
   if (first.collective == Collective::kAllgather) {
-    for (const auto& m : entry.metas) resp.first_dims.push_back(m.shape.empty() ? 0 : m.shape[0]);
+    for (const auto& m : entry.metas) resp.rows.push_back(m.shape.empty() ? 0 : m.shape[0]);
+  }
+  if (first.collective == Collective::kAlltoall) {
+    for (const auto& m : entry.metas) {
+      for (int to = 0; to < size_; ++to) {
+        // The engine checked the splits against the first dimension on submission.
+        resp.rows.push_back(m.splits.empty() ? m.shape[0] / size_ : m.splits[to]);
+      }
+    }
   }
   return resp;
 }

@@ -28,6 +28,7 @@ struct TensorMeta {
   double postscale_factor = 1.0;
   int root_rank = 0;
   std::vector<int64_t> shape;
+  std::vector<int64_t> splits;  // alltoall: rows for each rank; empty = even split
 
   std::string Describe() const;  // "float32[2,3] Sum" and the like, for errors
 };
@@ -38,7 +39,9 @@ struct Response {
   std::vector<std::string> names;
   std::string error;                 // empty when the ranks agree
   kr_status status = KR_OK;          // KR_INVALID_ARGUMENT (disagreement), KR_ABORTED (stall)
-  std::vector<int64_t> first_dims;   // allgather: each rank's first dimension
+  // allgather: each rank's first dimension; alltoall: rows[i * size + j] is
+  // the number of rows rank i sends to rank j.
+  std::vector<int64_t> rows;
 
   // Known to the coordinator only (not sent): what fusion compares.
   TensorMeta meta;                   // rank 0's view

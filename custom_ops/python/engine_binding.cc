@@ -3,6 +3,7 @@
 // machines (GPU hosts) that have no TensorFlow.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <condition_variable>
 #include <cstring>
@@ -25,8 +26,9 @@ struct Completion {
   bool finished = false;
   kr_status status = KR_OK;
   std::string message;
-  std::vector<char> gathered;           // allgather output
+  std::vector<char> gathered;           // output the engine allocates (allgather and others)
   std::vector<int64_t> gathered_shape;
+  std::vector<int64_t> received_splits;  // alltoall
 
   static void Done(void* ctx, kr_status status, const char* message) {
     auto* self = static_cast<std::shared_ptr<Completion>*>(ctx);
@@ -87,6 +89,13 @@ class Handle {
     return completion_->finished;
   }
 
+  py::list received_splits() {
+    wait();
+    py::list out;
+    for (int64_t s : completion_->received_splits) out.append(s);
+    return out;
+  }
+
   py::array wait() {
     {
       py::gil_scoped_release release;
@@ -106,25 +115,30 @@ class Handle {
   }
 
   py::array input_;
-  py::object output_;  // None for allgather: the engine allocates
+  py::object output_;  // None when the engine allocates the output
   std::shared_ptr<Completion> completion_;
 };
 
 std::unique_ptr<Handle> Submit(int collective, py::array array, const std::string& name, int op,
-                               double prescale, double postscale, int root_rank) {
+                               double prescale, double postscale, int root_rank,
+                               std::vector<int64_t> splits) {
   py::array input = py::array::ensure(array, py::array::c_style);
   if (!input) throw py::type_error("keras-ring: expected an array-like input");
   kr_dtype dtype = ToKrDtype(input.dtype());
   std::vector<int64_t> shape(input.shape(), input.shape() + input.ndim());
   py::object output = py::none();
   void* output_data = nullptr;
-  if (collective != KR_ALLGATHER) {
+  if (collective == KR_ALLREDUCE || collective == KR_BROADCAST) {
     py::array out(input.dtype(), std::vector<py::ssize_t>(shape.begin(), shape.end()));
     output_data = out.mutable_data();
     output = std::move(out);
   }
   auto completion = std::make_shared<Completion>();
   completion->element_size = static_cast<size_t>(input.itemsize());
+  kr_topology topology{};
+  if (collective == KR_ALLTOALL && kr_get_topology(&topology) == KR_OK) {
+    completion->received_splits.resize(topology.size);
+  }
 
   kr_request r{};
   r.name = name.c_str();
@@ -138,6 +152,10 @@ std::unique_ptr<Handle> Submit(int collective, py::array array, const std::strin
   r.prescale_factor = prescale;
   r.postscale_factor = postscale;
   r.root_rank = root_rank;
+  r.splits = splits.data();
+  r.nsplits = static_cast<int>(splits.size());
+  r.received_splits = completion->received_splits.empty() ? nullptr
+                                                          : completion->received_splits.data();
   r.device = KR_DEVICE_CPU;
   r.allocate_output = &Completion::Allocate;
   r.done = &Completion::Done;
@@ -158,6 +176,8 @@ PYBIND11_MODULE(_engine, m) {
   m.attr("ALLREDUCE") = static_cast<int>(KR_ALLREDUCE);
   m.attr("ALLGATHER") = static_cast<int>(KR_ALLGATHER);
   m.attr("BROADCAST") = static_cast<int>(KR_BROADCAST);
+  m.attr("REDUCESCATTER") = static_cast<int>(KR_REDUCESCATTER);
+  m.attr("ALLTOALL") = static_cast<int>(KR_ALLTOALL);
 
   m.def("init", [] {
     char err[2048] = {0};
@@ -209,9 +229,12 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Handle>(m, "Handle")
       .def("done", &Handle::done, "True once the collective has completed (or failed).")
-      .def("wait", &Handle::wait, "Blocks until completion; returns the result or raises.");
+      .def("wait", &Handle::wait, "Blocks until completion; returns the result or raises.")
+      .def("received_splits", &Handle::received_splits,
+           "Alltoall: waits, then returns the rows received from each rank.");
   m.def("submit", &Submit, py::arg("collective"), py::arg("array"), py::arg("name"),
         py::arg("op") = static_cast<int>(KR_SUM), py::arg("prescale_factor") = 1.0,
         py::arg("postscale_factor") = 1.0, py::arg("root_rank") = 0,
+        py::arg("splits") = std::vector<int64_t>(),
         "Starts a collective on a NumPy array and returns a Handle.");
 }

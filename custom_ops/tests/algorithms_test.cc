@@ -14,10 +14,12 @@ namespace {
 
 using keras_ring::AllgatherOptions;
 using keras_ring::AllreduceOptions;
+using keras_ring::AlltoallOptions;
 using keras_ring::BroadcastOptions;
 using keras_ring::EngineError;
 using keras_ring::InProcessStats;
 using keras_ring::InProcessWorld;
+using keras_ring::ReduceScatterOptions;
 using keras_ring::Transport;
 
 std::string Describe(int p, size_t count, double pre, double post, size_t segment) {
@@ -220,6 +222,136 @@ KR_TEST(AllreduceSendsTwoPMinusOneOverPOfTheBufferInSegments) {
   }
 }
 
+// Each rank's block must equal the same block of the whole allreduce.
+template <typename D>
+void CheckReduceScatter(ReduceOp op, const std::vector<size_t>& counts, double pre, double post,
+                        size_t segment_bytes) {
+  using S = typename D::Storage;
+  const int p = static_cast<int>(counts.size());
+  std::vector<size_t> offsets(p + 1, 0);
+  for (int r = 0; r < p; ++r) offsets[r + 1] = offsets[r] + counts[r];
+  std::vector<std::vector<S>> buffers(p);
+  for (int r = 0; r < p; ++r) buffers[r] = RankInput<D>(offsets[p], r, p, op);
+  const Expected<D> want = ReferenceAllreduce<D>(buffers, offsets[p], op, pre, post);
+  InProcessStats stats;
+  RunRanks(
+      p,
+      [&](Transport& t) {
+        ReduceScatterOptions o;
+        o.buffer = buffers[t.rank()].data();
+        o.counts = counts;
+        o.dtype = D::kType;
+        o.op = op;
+        o.prescale_factor = pre;
+        o.postscale_factor = post;
+        o.segment_bytes = segment_bytes;
+        o.tag = 5;
+        keras_ring::RingReduceScatter(t, o);
+      },
+      &stats);
+  std::string context = "counts";
+  for (size_t c : counts) context += " " + std::to_string(c);
+  context += " " + Describe(p, offsets[p], pre, post, segment_bytes);
+  for (int r = 0; r < p; ++r) {
+    for (size_t i = offsets[r]; i < offsets[r + 1]; ++i) {
+      if (!Matches<D>(buffers[r][i], want.values[i], want.tolerance[i])) {
+        KR_FAIL(context + "rank " + std::to_string(r) + " index " + std::to_string(i) + ": got " +
+                ValueString<D>(buffers[r][i]) + ", want " + ValueString<D>(want.values[i]));
+        return;
+      }
+    }
+  }
+  // Each rank sends every block but one once: (p-1)/p of the buffer.
+  KR_EXPECT_EQ(stats.bytes, (p - 1) * offsets[p] * sizeof(S));
+}
+
+KR_TEST_CASES(RegisterReduceScatterTests) {
+  ForEachDtype([](auto dtype) {
+    using D = decltype(dtype);
+    const std::string name = keras_ring::DataTypeName(D::kType);
+    for (ReduceOp op : kAllOps) {
+      for (int p = 1; p <= 5; ++p) {
+        Register("reducescatter/" + name + "/" + keras_ring::ReduceOpName(op) + "/p" +
+                     std::to_string(p),
+                 [p, op] {
+                   const auto [pre, post] = NontrivialScales<D>();
+                   std::vector<size_t> even(p, 333), uneven(p), zeros(p, 0), one(p, 0);
+                   for (int r = 0; r < p; ++r) uneven[r] = (r * 37 + 5) % 23 * 7 + (r % 2);
+                   one[p - 1] = 1;
+                   for (const auto& counts : {even, uneven, zeros, one}) {
+                     CheckReduceScatter<D>(op, counts, 1.0, 1.0, 21);
+                     CheckReduceScatter<D>(op, counts, pre, post, 21);
+                   }
+                 });
+      }
+    }
+  });
+}
+
+void CheckAlltoall(const std::vector<std::vector<size_t>>& bytes, size_t segment_bytes) {
+  // bytes[i][j]: what rank i sends to rank j.
+  const int p = static_cast<int>(bytes.size());
+  auto value = [](int from, int to, size_t i) { return static_cast<char>(Mix(from, to, i)); };
+  std::vector<std::vector<char>> inputs(p), outputs(p), want(p);
+  std::vector<std::vector<size_t>> recv(p, std::vector<size_t>(p));
+  for (int i = 0; i < p; ++i) {
+    for (int j = 0; j < p; ++j) {
+      recv[j][i] = bytes[i][j];
+      for (size_t k = 0; k < bytes[i][j]; ++k) inputs[i].push_back(value(i, j, k));
+    }
+  }
+  for (int j = 0; j < p; ++j) {
+    for (int i = 0; i < p; ++i) {
+      for (size_t k = 0; k < bytes[i][j]; ++k) want[j].push_back(value(i, j, k));
+    }
+    outputs[j].assign(want[j].size(), '\xEE');
+  }
+  InProcessStats stats;
+  RunRanks(
+      p,
+      [&](Transport& t) {
+        const int r = t.rank();
+        AlltoallOptions o;
+        o.input = inputs[r].data();
+        o.send_bytes = bytes[r];
+        o.output = outputs[r].data();
+        o.recv_bytes = recv[r];
+        o.segment_bytes = segment_bytes;
+        o.tag = 9;
+        keras_ring::Alltoall(t, o);
+      },
+      &stats);
+  size_t moved = 0;
+  for (int i = 0; i < p; ++i) {
+    for (int j = 0; j < p; ++j) moved += i == j ? 0 : bytes[i][j];
+  }
+  for (int r = 0; r < p; ++r) {
+    if (outputs[r] != want[r]) {
+      KR_FAIL("alltoall p=" + std::to_string(p) + ": rank " + std::to_string(r) +
+              " got wrong data");
+    }
+  }
+  KR_EXPECT_EQ(stats.bytes, moved);
+  KR_EXPECT(stats.max_message_bytes <= segment_bytes);
+}
+
+KR_TEST_CASES(RegisterAlltoallTests) {
+  for (int p = 1; p <= 5; ++p) {
+    Register("alltoall/p" + std::to_string(p), [p] {
+      std::vector<std::vector<size_t>> even(p, std::vector<size_t>(p, 100)), uneven(p), zeros(
+          p, std::vector<size_t>(p, 0)), big(p, std::vector<size_t>(p, 3));
+      for (int i = 0; i < p; ++i) {
+        for (int j = 0; j < p; ++j) uneven[i].push_back((i * 7 + j * 13) % 5 == 0 ? 0 : i + 3 * j);
+      }
+      big[0][p - 1] = (size_t(1) << 20) + 3;
+      CheckAlltoall(even, 64);
+      CheckAlltoall(uneven, 5);
+      CheckAlltoall(zeros, 64);
+      CheckAlltoall(big, 4096);
+    });
+  }
+}
+
 void CheckAllgather(const std::vector<size_t>& block_bytes, size_t segment_bytes, bool in_place) {
   const int p = static_cast<int>(block_bytes.size());
   std::vector<size_t> offsets(p + 1, 0);
@@ -346,6 +478,22 @@ KR_TEST(AlgorithmsRejectInvalidOptions) {
   g.output = x;
   g.block_bytes = {4, 4};
   KR_EXPECT_THROW(keras_ring::RingAllgather(*t, g), EngineError, "4 bytes has a null input");
+
+  ReduceScatterOptions rs;
+  rs.counts = {1};
+  KR_EXPECT_THROW(keras_ring::RingReduceScatter(*t, rs), EngineError, "expected 2, got 1");
+  rs.counts = {1, 2};
+  KR_EXPECT_THROW(keras_ring::RingReduceScatter(*t, rs), EngineError,
+                  "3 elements has a null buffer");
+
+  AlltoallOptions aa;
+  aa.send_bytes = {1, 1};
+  aa.recv_bytes = {1};
+  KR_EXPECT_THROW(keras_ring::Alltoall(*t, aa), EngineError, "expected 2, got 2 and 1");
+  aa.recv_bytes = {2, 1};
+  aa.input = x;
+  aa.output = x;
+  KR_EXPECT_THROW(keras_ring::Alltoall(*t, aa), EngineError, "sends 1 bytes to itself");
 
   BroadcastOptions b;
   b.buffer = x;

@@ -74,7 +74,7 @@ KR_TEST(AllgatherMayDifferInTheFirstDimensionOnly) {
   b.shape = {5, 3};
   auto out = Agree(2, {{a}, {b}});
   KR_EXPECT(out[0].error.empty());
-  KR_EXPECT(out[0].first_dims == std::vector<int64_t>({2, 5}));
+  KR_EXPECT(out[0].rows == std::vector<int64_t>({2, 5}));
   b.shape = {5, 4};
   out = Agree(2, {{a}, {b}});
   KR_EXPECT(!out[0].error.empty());
@@ -137,17 +137,20 @@ KR_TEST(StallsAreReportedOnceThenFailedNamingTheMissingRanks) {
 
 KR_TEST(WireFormatRoundTrips) {
   std::vector<TensorMeta> metas = {Allreduce("x", {2, 3}, DataType::kBFloat16, ReduceOp::kProduct),
-                                   Allreduce("", {})};
+                                   Allreduce("", {}), Allreduce("a2a", {4, 2})};
   metas[0].prescale_factor = 0.5;
+  metas[2].collective = Collective::kAlltoall;
+  metas[2].splits = {3, 0, 1};
   metas[1].collective = Collective::kBroadcast;
   metas[1].root_rank = 2;
   std::vector<TensorMeta> back;
   bool shutdown = false;
   DeserializeMetas(SerializeMetas(metas, true), &back, &shutdown);
   KR_EXPECT(shutdown);
-  KR_EXPECT_EQ(back.size(), 2u);
+  KR_EXPECT_EQ(back.size(), 3u);
   KR_EXPECT_EQ(back[0].Describe(), metas[0].Describe());
   KR_EXPECT_EQ(back[1].Describe(), metas[1].Describe());
+  KR_EXPECT_EQ(back[2].Describe(), std::string("alltoall of float32[4,2] splits=[3,0,1]"));
 
   ResponseList list;
   list.shutdown_rank = 1;
@@ -156,13 +159,13 @@ KR_TEST(WireFormatRoundTrips) {
   list.responses[1].names = {"g"};
   list.responses[1].error = "bad";
   list.responses[1].status = KR_ABORTED;
-  list.responses[1].first_dims = {1, 0, 7};
+  list.responses[1].rows = {1, 0, 7};
   ResponseList got = DeserializeResponses(SerializeResponses(list));
   KR_EXPECT_EQ(got.shutdown_rank, 1);
   KR_EXPECT(got.responses[0].names == list.responses[0].names);
   KR_EXPECT_EQ(got.responses[1].error, std::string("bad"));
   KR_EXPECT_EQ(got.responses[1].status, KR_ABORTED);
-  KR_EXPECT(got.responses[1].first_dims == list.responses[1].first_dims);
+  KR_EXPECT(got.responses[1].rows == list.responses[1].rows);
   std::vector<char> truncated = SerializeResponses(list);
   truncated.resize(truncated.size() - 3);
   KR_EXPECT_THROW(DeserializeResponses(truncated), EngineError, "truncated");

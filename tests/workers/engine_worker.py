@@ -131,6 +131,73 @@ def test_allgather(rank, size):
     check("ag.big", got, want, exact=True)
 
 
+def split_rows(rows, size):
+    """Horovod's reducescatter split: the first rows % size ranks get one row more."""
+    counts = [rows // size + (r < rows % size) for r in range(size)]
+    return np.cumsum([0] + counts)
+
+
+def test_reducescatter(rank, size):
+    for dtype in DTYPES:
+        is_int = np.issubdtype(np.dtype(dtype), np.integer)
+        for op in OPS:
+            for pre, post in [(1.0, 1.0), (0.5, 2.0)]:
+                if is_int and op in ("Sum", "Product", "Average") and pre != 1.0:
+                    continue
+                for rows in (0, 1, size, 2 * size + 1, 1001):
+                    name = f"rs.{np.dtype(dtype).name}.{op}.{pre}.{rows}"
+                    shape = (rows, 3)
+                    inputs = [data(r, rows * 3, dtype, op, 5).reshape(shape) for r in range(size)]
+                    got = submit(_engine.REDUCESCATTER, inputs[rank], name, op=OPS[op],
+                                 prescale_factor=pre, postscale_factor=post).wait()
+                    bounds = split_rows(rows, size)
+                    want = reference(inputs, dtype, op, pre, post)[bounds[rank]:bounds[rank + 1]]
+                    exact = is_int or (op != "Average" and post * pre in (1.0,))
+                    check(name, got, want, exact)
+    big = data(rank, BIG, np.float32, "Sum", 6)
+    got = submit(_engine.REDUCESCATTER, big, "rs.big", op=OPS["Sum"]).wait()
+    bounds = split_rows(BIG, size)
+    want = reference([data(r, BIG, np.float32, "Sum", 6) for r in range(size)], np.float32,
+                     "Sum", 1.0, 1.0)
+    check("rs.big", got, want[bounds[rank]:bounds[rank + 1]], exact=True)
+
+
+def test_alltoall(rank, size):
+    def splits_of(r, case):
+        return {"even": [2] * size, "uneven": [(r + 2 * j) % 4 for j in range(size)],
+                "zeros": [0] * size, "none": None}[case]
+
+    for dtype in DTYPES:
+        for case in ("even", "uneven", "zeros", "none"):
+            def rows_of(r):
+                s = splits_of(r, case)
+                return 3 * size if s is None else sum(s)
+
+            inputs = [data(r, rows_of(r) * 2, dtype, "Sum", 7).reshape(rows_of(r), 2)
+                      for r in range(size)]
+            name = f"a2a.{np.dtype(dtype).name}.{case}"
+            splits = splits_of(rank, case)
+            handle = submit(_engine.ALLTOALL, inputs[rank], name,
+                            splits=[] if splits is None else splits)
+            got = handle.wait()
+            parts, received = [], []
+            for r in range(size):
+                s = splits_of(r, case) or [3] * size
+                start = sum(s[:rank])
+                parts.append(inputs[r][start:start + s[rank]])
+                received.append(s[rank])
+            check(name, got, np.concatenate(parts), exact=True)
+            if handle.received_splits() != received:
+                fail(f"{name}: received splits {handle.received_splits()} != {received}")
+    # Large blocks to every rank.
+    rows = (1 << 20) + 1
+    x = data(rank, rows * size, np.float32, "Sum", 8)
+    got = submit(_engine.ALLTOALL, x, "a2a.big", splits=[rows] * size).wait()
+    want = np.concatenate([data(r, rows * size, np.float32, "Sum", 8)[rank * rows:(rank + 1) * rows]
+                           for r in range(size)])
+    check("a2a.big", got, want, exact=True)
+
+
 def test_broadcast(rank, size):
     for dtype in DTYPES:
         for root in range(size):
@@ -219,6 +286,20 @@ def test_mismatch(rank, size):
                  "mm.root", "root=0", "root=1")
     x = np.zeros((2, 3 + (rank == 1)), np.float32)
     expect_error(submit(_engine.ALLGATHER, x, "mm.gather"), ValueError, "mm.gather")
+    x = np.zeros((size, 3 + (rank == 1)), np.float32)
+    expect_error(submit(_engine.ALLTOALL, x, "mm.alltoall"), ValueError, "mm.alltoall",
+                 f"float32[{size},3]", f"float32[{size},4]")
+    x = np.zeros((size + (rank == 1), 2), np.float32)
+    expect_error(submit(_engine.REDUCESCATTER, x, "mm.reducescatter", op=OPS["Sum"]), ValueError,
+                 "mm.reducescatter", f"float32[{size},2]", f"float32[{size + 1},2]")
+    # Splits are checked where they are given, before any agreement.
+    x = np.zeros((5, 2), np.float32)
+    expect_error(submit(_engine.ALLTOALL, x, "bad.splits", splits=[5] + [1] * (size - 1)),
+                 ValueError, "bad.splits", "add up to", "first dimension is 5")
+    expect_error(submit(_engine.ALLTOALL, x, "bad.splits", splits=[5]), ValueError,
+                 "bad.splits", f"one split per rank ({size})")
+    expect_error(submit(_engine.ALLTOALL, x, "bad.splits"), ValueError, "bad.splits",
+                 "divisible", "Pass splits")
     # The engine still works after errors.
     got = submit(_engine.ALLREDUCE, np.ones(3, np.float32), "after", op=OPS["Sum"]).wait()
     check("after", got, np.full(3, size), exact=True)
@@ -255,8 +336,9 @@ def main():
     expected = int(os.environ.get("KR_TEST_EXPECTED_SIZE", size))
     if size != expected:
         fail(f"size {size}, expected {expected}")
-    for test in (test_allreduce, test_allgather, test_broadcast, test_out_of_order,
-                 test_fusion, test_objects, test_mismatch, test_duplicate_name, test_restart):
+    for test in (test_allreduce, test_allgather, test_reducescatter, test_alltoall,
+                 test_broadcast, test_out_of_order, test_fusion, test_objects, test_mismatch,
+                 test_duplicate_name, test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)
 
