@@ -24,7 +24,7 @@ from keras_ring._basics import (
     shutdown,
     size,
 )
-from keras_ring._objects import allgather_object, barrier, broadcast_object
+from keras_ring._objects import allgather_object, barrier, broadcast_object, join
 from keras_ring._reduce_ops import Average, Max, Min, Product, Sum
 
 __version__ = "0.1.0.dev0"
@@ -52,7 +52,7 @@ __all__ = [
     "cross_rank", "cross_size", "cuda_built", "init", "is_homogeneous", "is_initialized",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "rank", "shutdown", "size", "callbacks", "broadcast_object",
-    "allgather_object", "barrier", *_LAZY,
+    "allgather_object", "barrier", "join", *_LAZY,
 ]
 
 

@@ -52,11 +52,12 @@ _SETTINGS = {
     "cycle_time": "KERAS_RING_CYCLE_TIME",
     "stall_check_time": "KERAS_RING_STALL_CHECK_TIME",
     "stall_shutdown_time": "KERAS_RING_STALL_SHUTDOWN_TIME",
+    "cache_capacity": "KERAS_RING_CACHE_CAPACITY",
 }
 
 
 def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
-         stall_check_time=None, stall_shutdown_time=None):
+         stall_check_time=None, stall_shutdown_time=None, cache_capacity=None):
     """Starts keras-ring in this process: MPI (unless already started) and the engine.
 
     A script started without a launcher is a job of size 1. Calling `init()`
@@ -80,6 +81,10 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
             0: never).
         stall_shutdown_time: Seconds after which such a tensor fails on the
             ranks that wait for it (default 0: never).
+        cache_capacity: How many tensor names the response cache holds
+            (default 1024; 0: no cache). A cached name is announced to the
+            coordinator by a small id and scheduled without comparing its
+            description again; names beyond the capacity take the full path.
 
     Raises:
         ValueError: if `comm` or `process_sets` is given.
@@ -109,15 +114,15 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
             return
         settings = dict(fusion_threshold=fusion_threshold, cycle_time=cycle_time,
                         stall_check_time=stall_check_time,
-                        stall_shutdown_time=stall_shutdown_time)
+                        stall_shutdown_time=stall_shutdown_time, cache_capacity=cache_capacity)
         for argument, value in settings.items():
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"keras-ring: `{argument}` must be a non-negative number. "
                                  f"Received: {argument}={value!r}")
-            os.environ[_SETTINGS[argument]] = str(int(value) if argument == "fusion_threshold"
-                                                  else value)
+            counts = ("fusion_threshold", "cache_capacity")
+            os.environ[_SETTINGS[argument]] = str(int(value) if argument in counts else value)
         info = _launcher.read_build_info()
         _mpi_env.check_launcher_environment(info)
         engine = _engine()

@@ -1,4 +1,4 @@
-"""Collectives on picklable Python objects, and a barrier, over the engine's NumPy binding.
+"""Collectives on picklable Python objects, a barrier and join, over the engine's NumPy binding.
 
 They need no TensorFlow. Names match across ranks by call order: every rank
 must call them in the same order (as with any collective), or pass `name`.
@@ -74,6 +74,29 @@ def allgather_object(obj, name=None):
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     return [pickle.loads(gathered[offsets[r]:offsets[r + 1]].tobytes())
             for r in range(len(lengths))]
+
+
+def join():
+    """Says that this rank has run out of data; returns once every rank has.
+
+    Until then, the allreduces, reducescatters and allgathers that the other
+    ranks run go ahead without this rank submitting them: it takes part with
+    zeros (no rows for allgather), so a sum counts only the ranks with data,
+    and `Average` still divides by the number of all ranks, as in Horovod.
+    Collectives that cannot take zeros (Min, Max, Product, a broadcast from a
+    joined rank, alltoall) fail with an error naming the joined ranks.
+
+    Returns:
+        The rank that joined last.
+
+    Example:
+
+    >>> for batch in my_shard:          # shards of different lengths
+    ...     train_step(batch)
+    >>> kr.join()                       # the others may still be stepping
+    """
+    _basics._require_initialized("join()")
+    return int(_run("JOIN", np.zeros((), np.int32), "keras_ring.join"))
 
 
 def barrier(name=None):

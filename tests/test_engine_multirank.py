@@ -10,8 +10,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_worker.py")
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"KERAS_RING_FUSION_THRESHOLD": "0"}, {"KERAS_RING_CYCLE_TIME": "2"}],
-    ids=["fusion", "no-fusion", "cycle-time"],
+    [{}, {"KERAS_RING_FUSION_THRESHOLD": "0"}, {"KERAS_RING_CYCLE_TIME": "2"},
+     {"KERAS_RING_CACHE_CAPACITY": "0"}],
+    ids=["fusion", "no-fusion", "cycle-time", "no-cache"],
 )
 @pytest.mark.parametrize("np_", [2, 3])
 def test_engine_collectives(run_ranks, np_, settings):

@@ -43,6 +43,12 @@ typedef enum {
   KR_BROADCAST = 2,
   KR_REDUCESCATTER = 3,
   KR_ALLTOALL = 4,
+  /* This rank has no more data: until every rank has joined, it takes part in
+   * the others' allreduces, reducescatters and allgathers with zeros (no
+   * rows), without submitting them. Completes once every rank has joined and
+   * writes the rank that joined last to output (one int32). The name must be
+   * the same on every rank; shape empty, dtype KR_INT32. */
+  KR_JOIN = 5,
 } kr_collective;
 
 typedef enum {
@@ -101,6 +107,7 @@ typedef struct kr_stats {
   uint64_t collectives;    /* collectives run (a fused one counts once) */
   uint64_t tensors;        /* requests completed by them */
   uint64_t fused_tensors;  /* of those, requests that shared a fused collective */
+  uint64_t cached_tensors; /* requests this rank announced by response-cache id */
 } kr_stats;
 
 /* Reducescatter: every rank passes a tensor of the same shape; rank r gets

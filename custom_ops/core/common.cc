@@ -55,6 +55,7 @@ const char* CollectiveName(Collective c) {
     case Collective::kBroadcast: return "broadcast";
     case Collective::kReducescatter: return "reducescatter";
     case Collective::kAlltoall: return "alltoall";
+    case Collective::kJoin: return "join";
   }
   return "invalid collective";
 }
@@ -74,6 +75,6 @@ bool IsValidReduceOp(int op) {
   }
 }
 
-bool IsValidCollective(int c) { return c >= KR_ALLREDUCE && c <= KR_ALLTOALL; }
+bool IsValidCollective(int c) { return c >= KR_ALLREDUCE && c <= KR_JOIN; }
 
 }  // namespace keras_ring

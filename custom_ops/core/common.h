@@ -38,6 +38,7 @@ enum class Collective : int {
   kBroadcast = KR_BROADCAST,
   kReducescatter = KR_REDUCESCATTER,
   kAlltoall = KR_ALLTOALL,
+  kJoin = KR_JOIN,
 };
 
 size_t DataTypeSize(DataType dtype);

@@ -44,6 +44,7 @@ void SetError(std::string* error, const std::string& message) {
 }
 
 constexpr size_t kDefaultFusionThreshold = size_t(64) << 20;
+constexpr size_t kDefaultCacheCapacity = 1024;
 constexpr double kDefaultStallCheckSeconds = 60;
 // How often an otherwise idle coordinator wakes to receive ready lists and
 // look for stalls: once a second costs nothing measurable.
@@ -127,6 +128,9 @@ kr_status Engine::Init(std::string* error) {
     cycle_time_ = Seconds(Setting<double>({"KERAS_RING_CYCLE_TIME", "HOROVOD_CYCLE_TIME"}, 0.0,
                                           "a number of milliseconds", ParseSeconds) /
                           1000.0);
+    cache_capacity_ = Setting<unsigned long long>(
+        {"KERAS_RING_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"}, kDefaultCacheCapacity,
+        "a number of tensor names", ParseCount);
     stall_shutdown_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"}, 0.0,
         "a number of seconds", ParseSeconds));
@@ -189,8 +193,13 @@ kr_status Engine::Init(std::string* error) {
   }
 
   transport_ = std::make_unique<MpiTransport>(data_comm_);
-  coordinator_.reset(topology_.rank == kCoordinator ? new Coordinator(topology_.size) : nullptr);
+  coordinator_.reset(topology_.rank == kCoordinator
+                         ? new Coordinator(topology_.size, cache_capacity_)
+                         : nullptr);
   pending_.clear();
+  joined_ = false;
+  cache_ids_.clear();
+  cached_.clear();
   queue_.clear();
   shutdown_requested_ = false;
   shutdown_sent_ = false;
@@ -264,7 +273,11 @@ kr_status Engine::Enqueue(const kr_request& r) {
       return bad(std::string(CollectiveName(c)) + " needs an allocate_output callback");
     }
   }
-  if (ElementCount(req.meta.shape) > 0 && (!r.input || (!allocates && !r.output))) {
+  if (c == Collective::kJoin) {
+    if (r.ndim != 0 || r.dtype != KR_INT32 || !r.output) {
+      return bad("join takes no input and writes one int32 (shape [], an output buffer)");
+    }
+  } else if (ElementCount(req.meta.shape) > 0 && (!r.input || (!allocates && !r.output))) {
     return bad("input and output buffers are required");
   }
   if (c == Collective::kAlltoall) {
@@ -278,6 +291,7 @@ kr_status Engine::Enqueue(const kr_request& r) {
   req.allocate_output = r.allocate_output;
   req.done = r.done;
   req.ctx = r.ctx;
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!running_ || shutdown_requested_) {
@@ -292,9 +306,12 @@ kr_status Engine::Enqueue(const kr_request& r) {
       std::string why = CheckSplits(req.meta.splits, req.meta.shape[0], topology_.size);
       if (!why.empty()) return bad(why);
     }
+    // The loop takes the whole queue at once, so only the first request of a
+    // batch needs to wake it: a burst of submissions costs one wake-up.
+    wake = queue_.empty();
     queue_.push_back(std::move(req));
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
   return KR_OK;
 }
 
@@ -322,7 +339,7 @@ void Engine::Loop() {
       if (idle_passes > 0 && idle_passes <= kSpinPasses) std::this_thread::yield();
 
       bool progress = !fresh.empty();
-      std::vector<TensorMeta> metas;
+      ReadyList ready;
       for (auto& req : fresh) {
         const std::string& name = req.meta.name;
         if (pending_.count(name)) {
@@ -333,13 +350,20 @@ void Engine::Loop() {
                            "concurrent operations (pass name=...)");
           continue;
         }
-        metas.push_back(req.meta);
+        auto cached = cache_ids_.find(name);
+        if (cached != cache_ids_.end() && cached_[cached->second] == req.meta) {
+          ready.cached.push_back(cached->second);
+          stats_.cached_tensors += 1;
+        } else {
+          ready.metas.push_back(req.meta);
+        }
+        joined_ = joined_ || req.meta.collective == Collective::kJoin;
         pending_.emplace(name, std::move(req));
       }
-      bool send_shutdown = shutdown && !shutdown_sent_;
-      if (!metas.empty() || send_shutdown) {
-        SendReadyList(std::move(metas), send_shutdown);
-        shutdown_sent_ = shutdown_sent_ || send_shutdown;
+      ready.shutdown = shutdown && !shutdown_sent_;
+      if (!ready.metas.empty() || !ready.cached.empty() || ready.shutdown) {
+        shutdown_sent_ = shutdown_sent_ || ready.shutdown;
+        SendReadyList(std::move(ready));
       }
       ResponseList list;
       bool got = coordinator_ ? ReceiveOnCoordinator(&list) : ReceiveResponses(&list);
@@ -355,7 +379,9 @@ void Engine::Loop() {
     // request, or this acknowledgement) and the coordinator waits for all of
     // them, so no control message is left behind on the communicator.
     if (!shutdown_sent_) {
-      SendReadyList({}, true);
+      ReadyList last;
+      last.shutdown = true;
+      SendReadyList(std::move(last));
       shutdown_sent_ = true;
     }
     while (coordinator_ && !coordinator_->AllRequestedShutdown()) {
@@ -379,13 +405,14 @@ void Engine::StopAccepting(kr_status status, const std::string& message) {
   queue_.clear();
 }
 
-void Engine::SendReadyList(std::vector<TensorMeta> metas, bool shutdown) {
+void Engine::SendReadyList(ReadyList list) {
   if (coordinator_) {
-    for (auto& m : metas) coordinator_->Add(kCoordinator, std::move(m), &decided_);
-    if (shutdown) coordinator_->RequestShutdown(kCoordinator);
+    for (auto& m : list.metas) coordinator_->Add(kCoordinator, std::move(m), &decided_);
+    for (int32_t id : list.cached) coordinator_->AddCached(kCoordinator, id, &decided_);
+    if (list.shutdown) coordinator_->RequestShutdown(kCoordinator);
     return;
   }
-  auto bytes = std::make_shared<std::vector<char>>(SerializeMetas(metas, shutdown));
+  auto bytes = std::make_shared<std::vector<char>>(SerializeReadyList(list));
   MPI_Request req;
   CheckMpi(MPI_Isend(bytes->data(), static_cast<int>(bytes->size()), MPI_BYTE, kCoordinator,
                      kTagReady, control_comm_, &req),
@@ -416,11 +443,10 @@ bool Engine::ReceiveReadyLists() {
     CheckMpi(MPI_Iprobe(MPI_ANY_SOURCE, kTagReady, control_comm_, &flag, &status), "MPI_Iprobe");
     if (!flag) return any;
     any = true;
-    std::vector<TensorMeta> metas;
-    bool shutdown = false;
-    DeserializeMetas(ReceiveProbed(control_comm_, status), &metas, &shutdown);
-    for (auto& m : metas) coordinator_->Add(status.MPI_SOURCE, std::move(m), &decided_);
-    if (shutdown) coordinator_->RequestShutdown(status.MPI_SOURCE);
+    ReadyList list = DeserializeReadyList(ReceiveProbed(control_comm_, status));
+    for (auto& m : list.metas) coordinator_->Add(status.MPI_SOURCE, std::move(m), &decided_);
+    for (int32_t id : list.cached) coordinator_->AddCached(status.MPI_SOURCE, id, &decided_);
+    if (list.shutdown) coordinator_->RequestShutdown(status.MPI_SOURCE);
   }
 }
 
@@ -477,15 +503,63 @@ void Engine::ReapSends() {
   sends_.erase(std::remove_if(sends_.begin(), sends_.end(), done), sends_.end());
 }
 
-void Engine::Execute(const ResponseList& list) {
-  for (const Response& resp : list.responses) {
+namespace {
+
+// What a joined rank runs in place of a request it never made: zeros in,
+// whatever comes back is dropped.
+struct StandIn {
+  std::vector<char> input, output;
+  size_t element_bytes = 1;
+
+  static void* Allocate(void* ctx, int ndim, const int64_t* shape) {
+    auto* self = static_cast<StandIn*>(ctx);
+    self->output.resize(ElementCount(std::vector<int64_t>(shape, shape + ndim)) *
+                        self->element_bytes);
+    return self->output.data();
+  }
+  static void Done(void*, kr_status, const char*) {}
+};
+
+}  // namespace
+
+void Engine::Execute(ResponseList& list) {
+  for (Response& resp : list.responses) {
     std::vector<Request> requests;
-    for (const std::string& name : resp.names) {
+    std::vector<std::unique_ptr<StandIn>> stand_ins;
+    for (size_t i = 0; i < resp.names.size(); ++i) {
+      const int32_t id = resp.cache_ids[i];
+      if (resp.cached) {
+        KR_CHECK(id >= 0 && size_t(id) < cached_.size(), "unknown cache id " + std::to_string(id));
+        resp.names[i] = cached_[id].name;
+      }
+      const std::string& name = resp.names[i];
       auto it = pending_.find(name);
-      // Only a stalled name reaches ranks that never submitted it.
-      if (it == pending_.end() && !resp.error.empty()) continue;
+      if (it == pending_.end() && !resp.error.empty()) continue;  // stalled elsewhere
+      if (it == pending_.end() && joined_ && resp.send_metas) {
+        auto s = std::make_unique<StandIn>();
+        Request req;
+        req.meta = resp.metas[i];
+        if (req.meta.collective == Collective::kAllgather) req.meta.shape[0] = 0;
+        s->element_bytes = DataTypeSize(req.meta.dtype);
+        s->input.assign(ElementCount(req.meta.shape) * s->element_bytes, 0);
+        s->output.resize(s->input.size());
+        req.input = s->input.data();
+        req.output = s->output.data();
+        req.allocate_output = &StandIn::Allocate;
+        req.done = &StandIn::Done;
+        req.ctx = s.get();
+        stand_ins.push_back(std::move(s));
+        requests.push_back(std::move(req));
+        continue;
+      }
       KR_CHECK(it != pending_.end(), "the coordinator scheduled tensor '" + name +
                                          "', which this rank has not submitted");
+      // A new cache entry: remember this rank's request under the id.
+      if (id >= 0 && !resp.cached) {
+        if (cached_.size() <= size_t(id)) cached_.resize(id + 1);
+        cached_[id] = it->second.meta;
+        cache_ids_[name] = id;
+      }
       requests.push_back(std::move(it->second));
       pending_.erase(it);
     }
@@ -524,6 +598,12 @@ void Engine::Run(const std::vector<Request>& requests, const Response& resp) {
       case Collective::kAlltoall:
         ok = RunAlltoall(requests[0], resp);
         break;
+      case Collective::kJoin: {
+        const int32_t last = static_cast<int32_t>(resp.rows[0]);
+        std::memcpy(requests[0].output, &last, sizeof last);
+        joined_ = false;
+        break;
+      }
     }
   } catch (const EngineError& e) {
     for (const Request& req : requests) {

@@ -50,7 +50,8 @@ class Engine {
   bool initialized() const;
   kr_topology topology() const { return topology_; }
   kr_stats stats() const {
-    return {stats_.collectives.load(), stats_.tensors.load(), stats_.fused_tensors.load()};
+    return {stats_.collectives.load(), stats_.tensors.load(), stats_.fused_tensors.load(),
+            stats_.cached_tensors.load()};
   }
   // Validates and queues; on refusal calls done itself and returns the status.
   kr_status Enqueue(const kr_request& request);
@@ -60,11 +61,11 @@ class Engine {
   void Loop();
   // One pass of the background loop; returns true if anything happened.
   bool Cycle();
-  void SendReadyList(std::vector<TensorMeta> metas, bool shutdown);
+  void SendReadyList(ReadyList list);
   bool ReceiveReadyLists();  // rank 0: records incoming ready lists
   bool ReceiveOnCoordinator(ResponseList* out);
   bool ReceiveResponses(ResponseList* out);
-  void Execute(const ResponseList& list);
+  void Execute(ResponseList& list);
   // Runs one agreed collective (several requests when fused).
   void Run(const std::vector<Request>& requests, const Response& resp);
   void RunAllreduce(const std::vector<Request>& requests);
@@ -93,6 +94,12 @@ class Engine {
   // Owned by the background thread while it runs.
   std::thread thread_;
   std::unordered_map<std::string, Request> pending_;
+  bool joined_ = false;  // a join request of this rank is pending
+  // The response cache as this rank knows it: name -> id, and by id the
+  // request this rank made when the coordinator cached the name.
+  std::unordered_map<std::string, int32_t> cache_ids_;
+  std::vector<TensorMeta> cached_;
+  size_t cache_capacity_ = 0;
   bool shutdown_sent_ = false;
   std::unique_ptr<Coordinator> coordinator_;       // rank 0 only
   std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
@@ -105,7 +112,7 @@ class Engine {
   std::chrono::steady_clock::duration cycle_time_{};  // 0: send agreed tensors at once
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective
   struct {
-    std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0};
+    std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0}, cached_tensors{0};
   } stats_;
 
   MPI_Comm control_comm_ = MPI_COMM_NULL;

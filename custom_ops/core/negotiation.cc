@@ -83,40 +83,61 @@ std::string TensorMeta::Describe() const {
   return s.str();
 }
 
-std::vector<char> SerializeMetas(const std::vector<TensorMeta>& metas, bool shutdown) {
+bool TensorMeta::operator==(const TensorMeta& o) const {
+  return name == o.name && collective == o.collective && dtype == o.dtype && op == o.op &&
+         prescale_factor == o.prescale_factor && postscale_factor == o.postscale_factor &&
+         root_rank == o.root_rank && shape == o.shape && splits == o.splits;
+}
+
+namespace {
+
+void PutMeta(Writer& w, const TensorMeta& m) {
+  w.PutString(m.name);
+  w.Put<int32_t>(static_cast<int32_t>(m.collective));
+  w.Put<int32_t>(static_cast<int32_t>(m.dtype));
+  w.Put<int32_t>(static_cast<int32_t>(m.op));
+  w.Put(m.prescale_factor);
+  w.Put(m.postscale_factor);
+  w.Put<int32_t>(m.root_rank);
+  w.PutDims(m.shape);
+  w.PutDims(m.splits);
+}
+
+TensorMeta GetMeta(Reader& r) {
+  TensorMeta m;
+  m.name = r.GetString();
+  m.collective = static_cast<Collective>(r.Get<int32_t>());
+  m.dtype = static_cast<DataType>(r.Get<int32_t>());
+  m.op = static_cast<ReduceOp>(r.Get<int32_t>());
+  m.prescale_factor = r.Get<double>();
+  m.postscale_factor = r.Get<double>();
+  m.root_rank = r.Get<int32_t>();
+  m.shape = r.GetDims();
+  m.splits = r.GetDims();
+  return m;
+}
+
+}  // namespace
+
+std::vector<char> SerializeReadyList(const ReadyList& list) {
   Writer w;
-  w.Put<uint8_t>(shutdown);
-  w.Put<uint64_t>(metas.size());
-  for (const auto& m : metas) {
-    w.PutString(m.name);
-    w.Put<int32_t>(static_cast<int32_t>(m.collective));
-    w.Put<int32_t>(static_cast<int32_t>(m.dtype));
-    w.Put<int32_t>(static_cast<int32_t>(m.op));
-    w.Put(m.prescale_factor);
-    w.Put(m.postscale_factor);
-    w.Put<int32_t>(m.root_rank);
-    w.PutDims(m.shape);
-    w.PutDims(m.splits);
-  }
+  w.Put<uint8_t>(list.shutdown);
+  w.Put<uint64_t>(list.metas.size());
+  for (const auto& m : list.metas) PutMeta(w, m);
+  w.Put<uint64_t>(list.cached.size());
+  for (int32_t id : list.cached) w.Put(id);
   return w.Take();
 }
 
-void DeserializeMetas(const std::vector<char>& bytes, std::vector<TensorMeta>* metas,
-                      bool* shutdown) {
+ReadyList DeserializeReadyList(const std::vector<char>& bytes) {
   Reader r(bytes);
-  *shutdown = r.Get<uint8_t>() != 0;
-  metas->resize(r.Get<uint64_t>());
-  for (auto& m : *metas) {
-    m.name = r.GetString();
-    m.collective = static_cast<Collective>(r.Get<int32_t>());
-    m.dtype = static_cast<DataType>(r.Get<int32_t>());
-    m.op = static_cast<ReduceOp>(r.Get<int32_t>());
-    m.prescale_factor = r.Get<double>();
-    m.postscale_factor = r.Get<double>();
-    m.root_rank = r.Get<int32_t>();
-    m.shape = r.GetDims();
-    m.splits = r.GetDims();
-  }
+  ReadyList list;
+  list.shutdown = r.Get<uint8_t>() != 0;
+  list.metas.resize(r.Get<uint64_t>());
+  for (auto& m : list.metas) m = GetMeta(r);
+  list.cached.resize(r.Get<uint64_t>());
+  for (auto& id : list.cached) id = r.Get<int32_t>();
+  return list;
 }
 
 std::vector<char> SerializeResponses(const ResponseList& list) {
@@ -124,11 +145,19 @@ std::vector<char> SerializeResponses(const ResponseList& list) {
   w.Put<int32_t>(list.shutdown_rank);
   w.Put<uint64_t>(list.responses.size());
   for (const auto& resp : list.responses) {
-    w.Put<uint64_t>(resp.names.size());
-    for (const auto& name : resp.names) w.PutString(name);
+    w.Put<uint8_t>(resp.cached);
+    w.Put<uint64_t>(resp.cache_ids.size());
+    for (size_t i = 0; i < resp.cache_ids.size(); ++i) {
+      w.Put(resp.cache_ids[i]);
+      if (!resp.cached) w.PutString(resp.names[i]);
+    }
     w.PutString(resp.error);
     w.Put<int32_t>(resp.status);
     w.PutDims(resp.rows);
+    w.Put<uint8_t>(resp.send_metas);
+    if (resp.send_metas) {
+      for (const auto& m : resp.metas) PutMeta(w, m);
+    }
   }
   return w.Take();
 }
@@ -139,17 +168,48 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes) {
   list.shutdown_rank = r.Get<int32_t>();
   list.responses.resize(r.Get<uint64_t>());
   for (auto& resp : list.responses) {
-    resp.names.resize(r.Get<uint64_t>());
-    for (auto& name : resp.names) name = r.GetString();
+    resp.cached = r.Get<uint8_t>() != 0;
+    resp.cache_ids.resize(r.Get<uint64_t>());
+    resp.names.resize(resp.cache_ids.size());
+    for (size_t i = 0; i < resp.cache_ids.size(); ++i) {
+      resp.cache_ids[i] = r.Get<int32_t>();
+      if (!resp.cached) resp.names[i] = r.GetString();  // else: looked up by the rank
+    }
     resp.error = r.GetString();
     resp.status = static_cast<kr_status>(r.Get<int32_t>());
     resp.rows = r.GetDims();
+    resp.send_metas = r.Get<uint8_t>() != 0;
+    if (resp.send_metas) {
+      resp.metas.resize(resp.names.size());
+      for (auto& m : resp.metas) m = GetMeta(r);
+    }
   }
   return list;
 }
 
 void Coordinator::Add(int rank, TensorMeta meta, std::vector<Response>* out,
                       Clock::time_point now) {
+  Record(rank, std::move(meta), false, out, now);
+}
+
+void Coordinator::AddCached(int rank, int32_t id, std::vector<Response>* out,
+                            Clock::time_point now) {
+  KR_CHECK(id >= 0 && size_t(id) < cache_.size(),
+           "rank " + std::to_string(rank) + " sent unknown cache id " + std::to_string(id));
+  Record(rank, cache_[id].metas[rank], true, out, now);
+}
+
+bool Coordinator::Complete(const Entry& e) const {
+  const bool join = e.metas[std::find(e.present.begin(), e.present.end(), true) -
+                            e.present.begin()].collective == Collective::kJoin;
+  for (int r = 0; r < size_; ++r) {
+    if (!e.present[r] && (join || !joined_[r])) return false;
+  }
+  return true;
+}
+
+void Coordinator::Record(int rank, TensorMeta meta, bool by_id, std::vector<Response>* out,
+                         Clock::time_point now) {
   Entry& e = table_[meta.name];
   if (e.metas.empty()) {
     e.metas.resize(size_);
@@ -160,25 +220,93 @@ void Coordinator::Add(int rank, TensorMeta meta, std::vector<Response>* out,
   // means the ranks' engines disagree: fail the name rather than guess.
   KR_CHECK(!e.present[rank], "rank " + std::to_string(rank) + " sent tensor '" + meta.name +
                                  "' twice before it completed");
-  std::string name = meta.name;
+  const std::string name = meta.name;
+  const bool join = meta.collective == Collective::kJoin;
   e.metas[rank] = std::move(meta);
   e.present[rank] = true;
-  if (++e.count < size_) return;
-  out->push_back(Decide(name, e));
-  table_.erase(name);
+  ++e.count;
+  e.by_id += by_id;
+  if (join) {
+    joined_[rank] = true;
+    last_joined_ = rank;
+  }
+  if (Complete(e)) Finish(name, out);
+  if (!join) return;
+  // Names that waited only for this rank can go now (in name order, so that
+  // the decision does not depend on the hash table's).
+  std::vector<std::string> ready;
+  for (const auto& [other, entry] : table_) {
+    if (Complete(entry)) ready.push_back(other);
+  }
+  std::sort(ready.begin(), ready.end());
+  for (const std::string& other : ready) Finish(other, out);
 }
 
-Response Coordinator::Decide(const std::string& name, const Entry& entry) const {
+void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
+  Entry& e = table_[name];
+  const int first_rank = std::find(e.present.begin(), e.present.end(), true) - e.present.begin();
+  const TensorMeta& first = e.metas[first_rank];
   Response resp;
   resp.names = {name};
-  const TensorMeta& first = entry.metas[0];
-  resp.meta = first;
+  resp.metas = {first};
+  resp.cache_ids = {-1};
   size_t count = 1;
   for (int64_t d : first.shape) count *= static_cast<size_t>(d);
   resp.bytes = count * DataTypeSize(first.dtype);
+  const bool everyone = e.count == size_;
+  resp.send_metas = !everyone;
+  // Every rank sent it by id: the descriptions were agreed when cached.
+  resp.error = e.by_id == size_ ? "" : Disagreement(name, e);
+  if (!resp.error.empty()) {
+    resp.status = KR_INVALID_ARGUMENT;
+  } else if (first.collective == Collective::kJoin) {
+    resp.rows = {last_joined_};
+    std::fill(joined_.begin(), joined_.end(), false);
+  } else {
+    if (first.collective == Collective::kAllgather) {
+      for (int r = 0; r < size_; ++r) resp.rows.push_back(e.present[r] ? e.metas[r].shape[0] : 0);
+    }
+    if (first.collective == Collective::kAlltoall) {
+      for (const auto& m : e.metas) {
+        for (int to = 0; to < size_; ++to) {
+          // The engine checked the splits against the first dimension on submission.
+          resp.rows.push_back(m.splits.empty() ? m.shape[0] / size_ : m.splits[to]);
+        }
+      }
+    }
+    // Cache what every rank submitted, on its second agreement, while there
+    // is room; renew a changed entry in place.
+    auto it = cache_ids_.find(name);
+    const bool renew = it != cache_ids_.end();
+    if (e.by_id == size_) {
+      resp.cache_ids = {it->second};
+      resp.cached = true;
+    } else if (everyone && !renew && cache_.size() < cache_capacity_ &&
+               seen_once_.insert(name).second) {
+      // First agreement: remembered, not cached. The set is bounded: a job
+      // that agrees ever new names forgets them in batches.
+      if (seen_once_.size() > 4 * cache_capacity_) seen_once_ = {name};
+    } else if (everyone && (renew || cache_.size() < cache_capacity_)) {
+      seen_once_.erase(name);
+      if (!renew) {
+        it = cache_ids_.emplace(name, static_cast<int32_t>(cache_.size())).first;
+        cache_.emplace_back();
+      }
+      cache_[it->second] = {name, e.metas};
+      resp.cache_ids = {it->second};
+    }
+  }
+  out->push_back(std::move(resp));
+  table_.erase(name);
+}
+
+std::string Coordinator::Disagreement(const std::string& name, const Entry& e) const {
+  int first_rank = std::find(e.present.begin(), e.present.end(), true) - e.present.begin();
+  const TensorMeta& first = e.metas[first_rank];
   bool agree = true;
-  for (int r = 1; r < size_ && agree; ++r) {
-    const TensorMeta& m = entry.metas[r];
+  for (int r = first_rank + 1; r < size_ && agree; ++r) {
+    if (!e.present[r]) continue;
+    const TensorMeta& m = e.metas[r];
     agree = m.collective == first.collective && m.dtype == first.dtype;
     if (!agree) break;
     switch (first.collective) {
@@ -198,35 +326,47 @@ Response Coordinator::Decide(const std::string& name, const Entry& entry) const 
                 std::equal(m.shape.begin() + (m.shape.empty() ? 0 : 1), m.shape.end(),
                            first.shape.begin() + (first.shape.empty() ? 0 : 1));
         break;
+      case Collective::kJoin:
+        break;
     }
   }
+  std::ostringstream s;
   if (!agree) {
-    std::ostringstream s;
     s << "keras-ring: ranks disagree on tensor '" << name << "':";
-    for (int r = 0; r < size_; ++r) s << (r ? ";" : "") << " rank " << r << " sent "
-                                      << entry.metas[r].Describe();
-    resp.error = s.str();
-    resp.status = KR_INVALID_ARGUMENT;
-    return resp;
-  }
-  if (first.collective == Collective::kAllgather) {
-    for (const auto& m : entry.metas) resp.rows.push_back(m.shape.empty() ? 0 : m.shape[0]);
-  }
-  if (first.collective == Collective::kAlltoall) {
-    for (const auto& m : entry.metas) {
-      for (int to = 0; to < size_; ++to) {
-        // The engine checked the splits against the first dimension on submission.
-        resp.rows.push_back(m.splits.empty() ? m.shape[0] / size_ : m.splits[to]);
-      }
+    for (int r = 0; r < size_; ++r) {
+      s << (r ? ";" : "") << " rank " << r << " sent "
+        << (e.present[r] ? e.metas[r].Describe() : std::string("nothing (joined)"));
     }
+    return s.str();
   }
-  return resp;
+  if (e.count == size_ || first.collective == Collective::kJoin) return "";
+  // Joined ranks take part with zeros, which only sums and gathers absorb.
+  std::string why;
+  const bool linear = first.op == ReduceOp::kSum || first.op == ReduceOp::kAverage;
+  if ((first.collective == Collective::kAllreduce ||
+       first.collective == Collective::kReducescatter) && !linear) {
+    why = std::string("op=") + ReduceOpName(first.op) + " cannot take zeros from joined ranks";
+  } else if (first.collective == Collective::kBroadcast && !e.present[first.root_rank]) {
+    why = "its root rank has joined";
+  } else if (first.collective == Collective::kAlltoall) {
+    why = "alltoall does not support joined ranks";
+  }
+  if (why.empty()) return "";
+  s << "keras-ring: tensor '" << name << "' (" << first.Describe() << ") cannot run while ranks [";
+  bool comma = false;
+  for (int r = 0; r < size_; ++r) {
+    if (e.present[r]) continue;
+    s << (comma ? ", " : "") << r;
+    comma = true;
+  }
+  s << "] have joined: " << why;
+  return s.str();
 }
 
 namespace {
 
 bool Fusable(const Response& r) {
-  return r.error.empty() && r.meta.collective == Collective::kAllreduce;
+  return r.error.empty() && r.metas[0].collective == Collective::kAllreduce;
 }
 
 bool SameReduction(const TensorMeta& a, const TensorMeta& b) {
@@ -245,11 +385,15 @@ std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
     if (Fusable(fused)) {
       for (size_t j = i + 1; j < responses.size(); ++j) {
         const Response& next = responses[j];
-        if (taken[j] || !Fusable(next) || !SameReduction(fused.meta, next.meta) ||
+        if (taken[j] || !Fusable(next) || !SameReduction(fused.metas[0], next.metas[0]) ||
             fused.bytes + next.bytes > threshold) {
           continue;
         }
         fused.names.push_back(next.names[0]);
+        fused.cache_ids.push_back(next.cache_ids[0]);
+        fused.metas.push_back(next.metas[0]);
+        fused.cached = fused.cached && next.cached;
+        fused.send_metas = fused.send_metas || next.send_metas;
         fused.bytes += next.bytes;
         taken[j] = true;
       }
@@ -295,13 +439,19 @@ void Coordinator::FailStalled(Clock::time_point now, Clock::duration fail_after,
   }
   std::sort(stalled.begin(), stalled.end());
   for (const std::string& name : stalled) {
+    const Entry& e = table_[name];
     Response resp;
     resp.names = {name};
+    resp.cache_ids = {-1};
     resp.error = "keras-ring: stalled: " + Stall(name, table_[name], now) +
                  "; giving up (KERAS_RING_STALL_SHUTDOWN_TIME). A rank that skips a collective "
                  "or runs a different number of steps leaves the others waiting.";
     resp.status = KR_ABORTED;
     out->push_back(std::move(resp));
+    // The ranks whose join failed are no longer joined.
+    for (int r = 0; r < size_; ++r) {
+      if (e.present[r] && e.metas[r].collective == Collective::kJoin) joined_[r] = false;
+    }
     table_.erase(name);
   }
 }

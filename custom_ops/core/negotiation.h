@@ -4,6 +4,15 @@
 // a Response. All ranks then run responses in the coordinator's order, so the
 // collectives line up even when frameworks issue ops in different orders.
 //
+// Agreed names enter a response cache (ids every rank knows): later a rank
+// whose request matches its cached one sends the id instead of the
+// description, and a name that every rank sent by id is scheduled without
+// comparing descriptions again; the response then carries only ids.
+//
+// A rank that has joined (kr join: it has run out of data) counts as present
+// for every name; it takes part with zeros shaped by the description the
+// response carries, until every rank has joined.
+//
 // This file holds the transport-free parts (metadata, wire format, the
 // coordinator's table) so that they can be tested without MPI.
 #pragma once
@@ -12,6 +21,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "common.h"
@@ -31,21 +41,30 @@ struct TensorMeta {
   std::vector<int64_t> splits;  // alltoall: rows for each rank; empty = even split
 
   std::string Describe() const;  // "float32[2,3] Sum" and the like, for errors
+  bool operator==(const TensorMeta& o) const;
 };
 
 // The coordinator's decision about one tensor, or several fused into one
 // collective (allreduces of the same dtype, op and scale factors).
 struct Response {
   std::vector<std::string> names;
+  // Parallel to names: the name's response-cache id, or -1. When `cached`,
+  // every rank submitted every name by id and the response travels as ids
+  // alone (ranks look the names up); otherwise each name with an id is a new
+  // or renewed cache entry, which every rank records with its own request.
+  std::vector<int32_t> cache_ids;
+  bool cached = false;
   std::string error;                 // empty when the ranks agree
   kr_status status = KR_OK;          // KR_INVALID_ARGUMENT (disagreement), KR_ABORTED (stall)
   // allgather: each rank's first dimension; alltoall: rows[i * size + j] is
   // the number of rows rank i sends to rank j.
   std::vector<int64_t> rows;
 
-  // Known to the coordinator only (not sent): what fusion compares.
-  TensorMeta meta;                   // rank 0's view
-  size_t bytes = 0;
+  // Parallel to names: the first submitting rank's view. Sent only when
+  // `send_metas` (some rank has joined and needs it to take part).
+  std::vector<TensorMeta> metas;
+  bool send_metas = false;
+  size_t bytes = 0;                  // coordinator only: what fusion counts
 };
 
 // Packs consecutive-or-later allreduce responses that agree on dtype, op and
@@ -62,11 +81,17 @@ struct ResponseList {
   int shutdown_rank = -1;
 };
 
-// Little-endian-agnostic byte serialisation between processes of one job
-// (all ranks run the same build, so native layout is fine).
-std::vector<char> SerializeMetas(const std::vector<TensorMeta>& metas, bool shutdown);
-void DeserializeMetas(const std::vector<char>& bytes, std::vector<TensorMeta>* metas,
-                      bool* shutdown);
+// What one rank tells the coordinator in one message.
+struct ReadyList {
+  std::vector<TensorMeta> metas;  // new, or changed since cached
+  std::vector<int32_t> cached;    // unchanged since cached: by id
+  bool shutdown = false;
+};
+
+// Byte serialisation between processes of one job (all ranks run the same
+// build, so native layout is fine).
+std::vector<char> SerializeReadyList(const ReadyList& list);
+ReadyList DeserializeReadyList(const std::vector<char>& bytes);
 std::vector<char> SerializeResponses(const ResponseList& list);
 ResponseList DeserializeResponses(const std::vector<char>& bytes);
 
@@ -74,12 +99,23 @@ class Coordinator {
  public:
   using Clock = std::chrono::steady_clock;
 
-  explicit Coordinator(int size) : size_(size), shutdown_(size, false) {}
+  // Up to cache_capacity names get cache ids (0 turns the cache off); ids
+  // are never reassigned, so an id in flight can never mean another name. A
+  // name is cached when it is agreed for the second time, so that one-off
+  // names (barriers, objects, evaluation) do not fill the cache before the
+  // names that repeat every step.
+  explicit Coordinator(int size, size_t cache_capacity = 1024)
+      : size_(size), cache_capacity_(cache_capacity), shutdown_(size, false),
+        joined_(size, false) {}
 
   // Records that `rank` has `meta` ready; appends a Response to `out` when the
-  // last rank arrives.
+  // last rank arrives (joined ranks count as arrived). A kJoin request marks
+  // the rank joined, which may complete names that only it was missing.
   void Add(int rank, TensorMeta meta, std::vector<Response>* out,
            Clock::time_point now = Clock::now());
+  // The same for a name `rank` sent by cache id.
+  void AddCached(int rank, int32_t id, std::vector<Response>* out,
+                 Clock::time_point now = Clock::now());
   bool HasWaiting() const { return !table_.empty(); }
 
   // Stall handling. Names some ranks have submitted for longer than
@@ -97,17 +133,34 @@ class Coordinator {
     std::vector<TensorMeta> metas;  // by rank; `present` says which are set
     std::vector<bool> present;
     int count = 0;
+    int by_id = 0;                  // how many ranks sent it by cache id
     Clock::time_point first_seen;
     bool reported = false;
   };
+  struct Cached {
+    std::string name;
+    std::vector<TensorMeta> metas;  // each rank's request when it was agreed
+  };
+  void Record(int rank, TensorMeta meta, bool by_id, std::vector<Response>* out,
+              Clock::time_point now);
+  bool Complete(const Entry& e) const;
+  // Appends the decision on a complete entry and removes it.
+  void Finish(const std::string& name, std::vector<Response>* out);
   // "ranks [0, 2] have been waiting 61 s for ranks [1] to submit tensor 'x' (...)".
   std::string Stall(const std::string& name, const Entry& e, Clock::time_point now) const;
-  Response Decide(const std::string& name, const Entry& entry) const;
+  // Empty when the present ranks agree, else the error.
+  std::string Disagreement(const std::string& name, const Entry& e) const;
 
   int size_;
+  size_t cache_capacity_;
   std::unordered_map<std::string, Entry> table_;
+  std::vector<Cached> cache_;  // by id
+  std::unordered_map<std::string, int32_t> cache_ids_;
+  std::unordered_set<std::string> seen_once_;  // agreed once, not cached
   std::vector<bool> shutdown_;
   int first_shutdown_ = -1;
+  std::vector<bool> joined_;
+  int last_joined_ = -1;
 };
 
 }  // namespace keras_ring

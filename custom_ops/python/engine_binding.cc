@@ -128,7 +128,7 @@ std::unique_ptr<Handle> Submit(int collective, py::array array, const std::strin
   std::vector<int64_t> shape(input.shape(), input.shape() + input.ndim());
   py::object output = py::none();
   void* output_data = nullptr;
-  if (collective == KR_ALLREDUCE || collective == KR_BROADCAST) {
+  if (collective == KR_ALLREDUCE || collective == KR_BROADCAST || collective == KR_JOIN) {
     py::array out(input.dtype(), std::vector<py::ssize_t>(shape.begin(), shape.end()));
     output_data = out.mutable_data();
     output = std::move(out);
@@ -178,6 +178,7 @@ PYBIND11_MODULE(_engine, m) {
   m.attr("BROADCAST") = static_cast<int>(KR_BROADCAST);
   m.attr("REDUCESCATTER") = static_cast<int>(KR_REDUCESCATTER);
   m.attr("ALLTOALL") = static_cast<int>(KR_ALLTOALL);
+  m.attr("JOIN") = static_cast<int>(KR_JOIN);
 
   m.def("init", [] {
     char err[2048] = {0};
@@ -223,8 +224,10 @@ PYBIND11_MODULE(_engine, m) {
     d["collectives"] = s.collectives;
     d["tensors"] = s.tensors;
     d["fused_tensors"] = s.fused_tensors;
+    d["cached_tensors"] = s.cached_tensors;
     return d;
-  }, "Counters since the process started: collectives run, tensors completed, fused tensors.");
+  }, "Counters since the process started: collectives run, tensors completed, fused tensors, "
+     "tensors announced by response-cache id.");
   m.def("mpi_library_version", [] { return std::string(kr_mpi_library_version()); });
 
   py::class_<Handle>(m, "Handle")

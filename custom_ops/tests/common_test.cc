@@ -28,7 +28,7 @@ KR_TEST(EnumValidityFollowsTheCApi) {
   for (int op = -1; op <= 7; ++op) {
     KR_EXPECT_EQ(IsValidReduceOp(op), op == 0 || op == 1 || op == 3 || op == 4 || op == 5);
   }
-  for (int c = -1; c <= 5; ++c) KR_EXPECT_EQ(IsValidCollective(c), c >= 0 && c <= 4);
+  for (int c = -1; c <= 6; ++c) KR_EXPECT_EQ(IsValidCollective(c), c >= 0 && c <= 5);
   KR_EXPECT_EQ(std::string(ReduceOpName(ReduceOp::kAverage)), std::string("average"));
   KR_EXPECT_EQ(std::string(ReduceOpName(ReduceOp::kProduct)), std::string("product"));
   KR_EXPECT_EQ(std::string(ReduceOpName(static_cast<ReduceOp>(2))),

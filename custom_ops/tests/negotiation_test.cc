@@ -143,20 +143,32 @@ KR_TEST(WireFormatRoundTrips) {
   metas[2].splits = {3, 0, 1};
   metas[1].collective = Collective::kBroadcast;
   metas[1].root_rank = 2;
-  std::vector<TensorMeta> back;
-  bool shutdown = false;
-  DeserializeMetas(SerializeMetas(metas, true), &back, &shutdown);
-  KR_EXPECT(shutdown);
+  ReadyList ready;
+  ready.metas = metas;
+  ready.cached = {4, 0};
+  ready.shutdown = true;
+  ReadyList back_list = DeserializeReadyList(SerializeReadyList(ready));
+  KR_EXPECT(back_list.shutdown);
+  KR_EXPECT(back_list.cached == ready.cached);
+  const std::vector<TensorMeta>& back = back_list.metas;
   KR_EXPECT_EQ(back.size(), 3u);
+  KR_EXPECT(back[2] == metas[2]);
   KR_EXPECT_EQ(back[0].Describe(), metas[0].Describe());
   KR_EXPECT_EQ(back[1].Describe(), metas[1].Describe());
   KR_EXPECT_EQ(back[2].Describe(), std::string("alltoall of float32[4,2] splits=[3,0,1]"));
 
   ResponseList list;
   list.shutdown_rank = 1;
-  list.responses.resize(2);
+  list.responses.resize(3);
   list.responses[0].names = {"a", "b"};
+  list.responses[0].cache_ids = {-1, 3};
   list.responses[1].names = {"g"};
+  list.responses[1].cache_ids = {-1};
+  list.responses[1].metas = {metas[2]};
+  list.responses[1].send_metas = true;
+  list.responses[2].names = {"c", "d"};
+  list.responses[2].cache_ids = {7, 2};
+  list.responses[2].cached = true;
   list.responses[1].error = "bad";
   list.responses[1].status = KR_ABORTED;
   list.responses[1].rows = {1, 0, 7};
@@ -166,9 +178,127 @@ KR_TEST(WireFormatRoundTrips) {
   KR_EXPECT_EQ(got.responses[1].error, std::string("bad"));
   KR_EXPECT_EQ(got.responses[1].status, KR_ABORTED);
   KR_EXPECT(got.responses[1].rows == list.responses[1].rows);
+  KR_EXPECT(got.responses[0].cache_ids == list.responses[0].cache_ids);
+  KR_EXPECT(got.responses[1].metas.size() == 1 && got.responses[1].metas[0] == metas[2]);
+  // Cached responses carry ids only: the ranks look the names up.
+  KR_EXPECT(got.responses[2].cached);
+  KR_EXPECT(got.responses[2].cache_ids == list.responses[2].cache_ids);
+  KR_EXPECT(got.responses[2].names == std::vector<std::string>({"", ""}));
   std::vector<char> truncated = SerializeResponses(list);
   truncated.resize(truncated.size() - 3);
   KR_EXPECT_THROW(DeserializeResponses(truncated), EngineError, "truncated");
+}
+
+// Both ranks of a two-rank coordinator submit `m` in full.
+void BothAdd(Coordinator& c, const TensorMeta& m, std::vector<Response>* out) {
+  c.Add(0, m, out);
+  c.Add(1, m, out);
+}
+
+KR_TEST(NamesAgreedTwiceAreCachedAndThenSentByIdAlone) {
+  Coordinator c(2, 2);
+  std::vector<Response> out;
+  for (const char* name : {"a", "b", "c", "a", "b", "c"}) BothAdd(c, Allreduce(name, {4}), &out);
+  KR_EXPECT_EQ(out.size(), 6u);
+  for (int i = 0; i < 3; ++i) KR_EXPECT(out[i].cache_ids == std::vector<int32_t>({-1}));
+  KR_EXPECT(out[3].cache_ids == std::vector<int32_t>({0}) && !out[3].cached);
+  KR_EXPECT(out[4].cache_ids == std::vector<int32_t>({1}));
+  KR_EXPECT(out[5].cache_ids == std::vector<int32_t>({-1}));  // capacity 2: full
+  out.clear();
+  c.AddCached(1, 1, &out);
+  c.AddCached(0, 1, &out);
+  KR_EXPECT_EQ(out.size(), 1u);
+  KR_EXPECT(out[0].cached && out[0].error.empty());
+  KR_EXPECT_EQ(out[0].names[0], std::string("b"));
+  KR_EXPECT_EQ(out[0].bytes, 16u);
+  // One rank's request changed: the full comparison runs and finds it.
+  out.clear();
+  c.AddCached(0, 0, &out);
+  c.Add(1, Allreduce("a", {5}), &out);
+  KR_EXPECT(!out[0].cached);
+  KR_EXPECT(out[0].error.find("rank 0 sent allreduce of float32[4] op=sum; rank 1 sent allreduce "
+                              "of float32[5]") != std::string::npos);
+  // Every rank changed it the same way: the entry is renewed under its id.
+  out.clear();
+  BothAdd(c, Allreduce("a", {5}), &out);
+  KR_EXPECT(out[0].error.empty() && !out[0].cached);
+  KR_EXPECT(out[0].cache_ids == std::vector<int32_t>({0}));
+  out.clear();
+  c.AddCached(0, 0, &out);
+  c.AddCached(1, 0, &out);
+  KR_EXPECT(out[0].cached && out[0].bytes == 20u);
+  KR_EXPECT_THROW(c.AddCached(0, 9, &out), EngineError, "unknown cache id 9");
+  // Capacity 0: nothing is cached.
+  Coordinator none(2, 0);
+  out.clear();
+  for (int i = 0; i < 3; ++i) BothAdd(none, Allreduce("x", {1}), &out);
+  for (const Response& r : out) KR_EXPECT(r.cache_ids == std::vector<int32_t>({-1}));
+}
+
+KR_TEST(FusedResponsesKeepEachNamesCacheId) {
+  Coordinator c(1);
+  std::vector<Response> out;
+  for (int i = 0; i < 2; ++i) {
+    c.Add(0, Allreduce("a", {1}), &out);
+    c.Add(0, Allreduce("b", {1}), &out);
+  }
+  auto first = Fuse({out[2], out[3]}, 1 << 20);
+  KR_EXPECT(first.size() == 1 && first[0].cache_ids == std::vector<int32_t>({0, 1}));
+  KR_EXPECT(!first[0].cached);
+  out.clear();
+  c.AddCached(0, 1, &out);
+  c.AddCached(0, 0, &out);
+  auto second = Fuse(out, 1 << 20);
+  KR_EXPECT(second[0].cached && second[0].cache_ids == std::vector<int32_t>({1, 0}));
+  out.clear();
+  c.AddCached(0, 0, &out);
+  c.Add(0, Allreduce("z", {1}), &out);
+  auto mixed = Fuse(out, 1 << 20);
+  KR_EXPECT(!mixed[0].cached && mixed[0].names == std::vector<std::string>({"a", "z"}));
+  KR_EXPECT(mixed[0].cache_ids == std::vector<int32_t>({0, -1}));
+}
+
+TensorMeta Join() {
+  TensorMeta m;
+  m.name = "join";
+  m.collective = Collective::kJoin;
+  m.dtype = DataType::kInt32;
+  return m;
+}
+
+KR_TEST(JoinedRanksCountAsPresentUntilEveryRankHasJoined) {
+  Coordinator c(3);
+  std::vector<Response> out;
+  c.Add(0, Allreduce("w", {4}), &out);
+  c.Add(1, Join(), &out);  // rank 1 is out of data
+  KR_EXPECT(out.empty());
+  c.Add(2, Allreduce("w", {4}), &out);
+  KR_EXPECT_EQ(out.size(), 1u);
+  KR_EXPECT(out[0].error.empty() && out[0].send_metas);
+  KR_EXPECT(out[0].metas[0] == Allreduce("w", {4}));
+  KR_EXPECT(out[0].cache_ids == std::vector<int32_t>({-1}));  // not every rank took part
+  // A name waiting only for the rank that joins goes when it joins.
+  out.clear();
+  TensorMeta g = Allreduce("g", {3, 2});
+  g.collective = Collective::kAllgather;
+  c.Add(0, g, &out);
+  c.Add(2, Join(), &out);
+  KR_EXPECT_EQ(out.size(), 1u);
+  KR_EXPECT(out[0].rows == std::vector<int64_t>({3, 0, 0}));
+  out.clear();
+  c.Add(0, Allreduce("m", {4}, DataType::kFloat32, ReduceOp::kMax), &out);
+  KR_EXPECT(out[0].error.find("tensor 'm' (allreduce of float32[4] op=max) cannot run while "
+                              "ranks [1, 2] have joined: op=max cannot take zeros") !=
+            std::string::npos);
+  out.clear();
+  c.Add(0, Join(), &out);
+  KR_EXPECT_EQ(out.size(), 1u);
+  KR_EXPECT(out[0].error.empty());
+  KR_EXPECT(out[0].rows == std::vector<int64_t>({0}));  // the last rank to join
+  // Nobody is joined any more.
+  out.clear();
+  c.Add(0, Allreduce("after", {1}), &out);
+  KR_EXPECT(out.empty());
 }
 
 }  // namespace

@@ -319,6 +319,62 @@ def test_duplicate_name(rank, size):
     check("dup", a.wait(), np.full(3, size), exact=True)
 
 
+def test_cache(rank, size):
+    """The same names step after step: announced by id after the first step, and still right
+    when a shape changes on every rank, or (an error) on one."""
+    capacity = int(os.environ.get("KERAS_RING_CACHE_CAPACITY", "1024"))
+    before = _engine.stats()["cached_tensors"]
+    names = [f"cache.{i}" for i in range(30)]
+    steps = 12
+    for step in range(steps):
+        order = list(range(len(names)))
+        random.Random(step * 10 + rank).shuffle(order)
+        n_of = {i: 5 + i + (7 if step >= 8 and i == 3 else 0) for i in order}
+        handles = {i: submit(_engine.ALLREDUCE, np.full(n_of[i], rank + step, np.int64), names[i],
+                             op=OPS["Sum"]) for i in order}
+        for i, h in handles.items():
+            want = np.full(n_of[i], sum(r + step for r in range(size)))
+            check(f"{names[i]} step {step}", h.wait(), want, exact=True)
+    hits = _engine.stats()["cached_tensors"] - before
+    # A name is cached on its second agreement (step 1); cache.3 changes at step 8 and is renewed.
+    expected = 0 if capacity == 0 else (steps - 2) * len(names) - 1
+    if hits != expected:
+        fail(f"{hits} requests announced by cache id, expected {expected}")
+    # One rank changes a cached name: the full comparison runs and names both views.
+    x = np.zeros(5 + (rank == 1), np.int64)
+    expect_error(submit(_engine.ALLREDUCE, x, names[0], op=OPS["Sum"]), ValueError,
+                 names[0], "int64[5]", "int64[6]")
+    got = submit(_engine.ALLREDUCE, np.ones(5, np.int64), names[0], op=OPS["Sum"]).wait()
+    check("after change", got, np.full(5, size), exact=True)
+
+
+def test_join(rank, size):
+    """Rank r has 2r + 2 batches; a joined rank adds zeros to the others' sums and no rows to
+    their allgathers; join returns the last rank to join."""
+    steps = 2 * rank + 2
+    for step in range(steps):
+        total = submit(_engine.ALLREDUCE, np.ones(3, np.float32), "join.sum", op=OPS["Sum"]).wait()
+        active = sum(1 for r in range(size) if step < 2 * r + 2)
+        check(f"join.sum step {step}", total, np.full(3, active), exact=True)
+        mean = submit(_engine.ALLREDUCE, np.full(2, 6.0, np.float32), "join.avg",
+                      op=OPS["Average"]).wait()
+        check(f"join.avg step {step}", mean, np.full(2, 6.0 * active / size), exact=True)
+        rows = submit(_engine.ALLGATHER, np.full((2, 2), rank, np.int32), "join.rows").wait()
+        want = np.concatenate([np.full((2, 2), r, np.int32) for r in range(size)
+                               if step < 2 * r + 2])
+        check(f"join.rows step {step}", rows, want, exact=True)
+        if step == steps - 1 and rank == size - 1 and size > 1:
+            # Everybody else has joined by now: Max cannot take their zeros.
+            expect_error(submit(_engine.ALLREDUCE, np.ones(1, np.float32), "join.max",
+                                op=OPS["Max"]), ValueError, "join.max", "have joined", "max")
+    last = kr.join()
+    if last != size - 1:
+        fail(f"join returned {last}, expected {size - 1}")
+    # Joining is over: collectives need every rank again.
+    got = submit(_engine.ALLREDUCE, np.ones(1, np.float32), "after.join", op=OPS["Sum"]).wait()
+    check("after.join", got, np.full(1, size), exact=True)
+
+
 def test_restart(rank, size):
     kr.shutdown()
     if kr.is_initialized():
@@ -338,7 +394,7 @@ def main():
         fail(f"size {size}, expected {expected}")
     for test in (test_allreduce, test_allgather, test_reducescatter, test_alltoall,
                  test_broadcast, test_out_of_order, test_fusion, test_objects, test_mismatch,
-                 test_duplicate_name, test_restart):
+                 test_duplicate_name, test_cache, test_join, test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)
 
