@@ -25,6 +25,12 @@ from keras_ring._basics import (
     size,
 )
 from keras_ring._objects import allgather_object, barrier, broadcast_object, join
+from keras_ring._process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 from keras_ring._reduce_ops import Average, Max, Min, Product, Sum
 
 __version__ = "0.1.0.dev0"
@@ -52,7 +58,8 @@ __all__ = [
     "cross_rank", "cross_size", "cuda_built", "init", "is_homogeneous", "is_initialized",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "rank", "shutdown", "size", "callbacks", "broadcast_object",
-    "allgather_object", "barrier", "join", *_LAZY,
+    "allgather_object", "barrier", "join", "ProcessSet", "add_process_set",
+    "global_process_set", "remove_process_set", *_LAZY,
 ]
 
 

@@ -70,8 +70,8 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
     Args:
         comm: Reserved for an mpi4py communicator or a list of world ranks,
             as in Horovod. Only `None` (the whole job) is supported so far.
-        process_sets: Reserved for Horovod's process sets. Only `None` is
-            supported so far.
+        process_sets: `ProcessSet`s (or lists of world ranks) to add right
+            away, as `add_process_set` would; more can be added later.
         fusion_threshold: Bytes up to which allreduces that are ready together
             are fused into one collective (default 64 MiB; 0: no fusion).
         cycle_time: Milliseconds an agreed tensor may wait for others to fuse
@@ -87,7 +87,7 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
             description again; names beyond the capacity take the full path.
 
     Raises:
-        ValueError: if `comm` or `process_sets` is given.
+        ValueError: if `comm` is given, or a process set is invalid.
         RuntimeError: if the job was started by a different MPI than the one
             keras-ring was built against, or MPI cannot start.
 
@@ -103,11 +103,6 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
         raise ValueError(
             "keras-ring: init(comm=...) is not supported yet; keras-ring uses the whole "
             f"MPI job. Received: comm={comm!r}"
-        )
-    if process_sets is not None:
-        raise ValueError(
-            "keras-ring: process sets are not supported yet. "
-            f"Received: process_sets={process_sets!r}"
         )
     with _lock:
         if _topology is not None:
@@ -144,6 +139,11 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
         if not _exit_hook_registered:
             atexit.register(_at_exit)
             _exit_hook_registered = True
+    if process_sets is not None:
+        from keras_ring import _process_sets
+
+        for process_set in process_sets:
+            _process_sets.add_process_set(process_set)
 
 
 def shutdown():
@@ -156,6 +156,8 @@ def shutdown():
         if "keras_ring._engine" in sys.modules:
             _engine().shutdown()
         _topology = None
+        if "keras_ring._process_sets" in sys.modules:
+            sys.modules["keras_ring._process_sets"]._forget_all()
 
 
 def _at_exit():

@@ -1,9 +1,11 @@
 """Collectives on picklable Python objects, a barrier and join, over the engine's NumPy binding.
 
 They need no TensorFlow. Names match across ranks by call order: every rank
-must call them in the same order (as with any collective), or pass `name`.
+(of the process set) must call them in the same order (as with any
+collective), or pass `name`.
 """
 
+import collections
 import io
 import itertools
 import pickle
@@ -11,28 +13,39 @@ import pickle
 import numpy as np
 
 from keras_ring import _basics
+from keras_ring._process_sets import process_set_id
 
-_counter = itertools.count()
+# One counter per process set: only its members call its collectives.
+_counters = collections.defaultdict(itertools.count)
 
 
-def _name(kind, name):
+def _name(kind, name, process_set):
     # Python calls on one rank run one at a time, so a per-process counter gives
     # every rank the same sequence of names.
-    return f"{kind}.{name if name is not None else next(_counter)}"
+    if name is None:
+        name = next(_counters[process_set_id(process_set)])
+    return f"{kind}.{name}"
 
 
-def _run(collective, array, name, **kwargs):
+def _run(collective, array, name, process_set=None, **kwargs):
     engine = _basics._engine()
-    return engine.submit(getattr(engine, collective), array, name, **kwargs).wait()
+    return engine.submit(getattr(engine, collective), array, name,
+                         process_set=process_set_id(process_set), **kwargs).wait()
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def _rank(process_set):
+    return _basics.rank() if process_set is None else process_set.rank()
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Sends a picklable object from `root_rank` to every rank.
 
     Args:
         obj: The object; only the root's matters.
         root_rank: The rank whose object every rank receives.
         name: Matches the call across ranks; by default the call order does.
+        process_set: Run among this `ProcessSet`'s members only (`root_rank`
+            counted within it); default: every rank.
 
     Returns:
         The root's object (unpickled on each rank; the root gets its own back).
@@ -42,41 +55,45 @@ def broadcast_object(obj, root_rank=0, name=None):
     >>> config = kr.broadcast_object({"lr": 0.1} if kr.rank() == 0 else None)
     """
     _basics._require_initialized("broadcast_object()")
-    base = _name("broadcast_object", name)
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if _basics.rank() == root_rank else None
+    base = _name("broadcast_object", name, process_set)
+    is_root = _rank(process_set) == root_rank
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if is_root else None
     length = np.array([payload.size if payload is not None else 0], np.int64)
-    length = _run("BROADCAST", length, base + ".length", root_rank=root_rank)
+    length = _run("BROADCAST", length, base + ".length", process_set, root_rank=root_rank)
     if payload is None:
         payload = np.empty(int(length[0]), np.uint8)
-    payload = _run("BROADCAST", payload, base + ".bytes", root_rank=root_rank)
+    payload = _run("BROADCAST", payload, base + ".bytes", process_set, root_rank=root_rank)
     return pickle.load(io.BytesIO(payload.tobytes()))
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=None):
     """Gathers a picklable object from every rank, in rank order.
 
     Args:
         obj: This rank's object.
         name: Matches the call across ranks; by default the call order does.
+        process_set: Gather among this `ProcessSet`'s members only; default:
+            every rank.
 
     Returns:
-        A list with one object per rank.
+        A list with one object per rank (of the set), in rank order.
 
     Example:
 
     >>> hosts = kr.allgather_object(socket.gethostname())
     """
     _basics._require_initialized("allgather_object()")
-    base = _name("allgather_object", name)
+    base = _name("allgather_object", name, process_set)
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    lengths = _run("ALLGATHER", np.array([payload.size], np.int64), base + ".lengths")
-    gathered = _run("ALLGATHER", payload, base + ".bytes")
+    lengths = _run("ALLGATHER", np.array([payload.size], np.int64), base + ".lengths",
+                   process_set)
+    gathered = _run("ALLGATHER", payload, base + ".bytes", process_set)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     return [pickle.loads(gathered[offsets[r]:offsets[r + 1]].tobytes())
             for r in range(len(lengths))]
 
 
-def join():
+def join(process_set=None):
     """Says that this rank has run out of data; returns once every rank has.
 
     Until then, the allreduces, reducescatters and allgathers that the other
@@ -86,8 +103,12 @@ def join():
     Collectives that cannot take zeros (Min, Max, Product, a broadcast from a
     joined rank, alltoall) fail with an error naming the joined ranks.
 
+    Args:
+        process_set: Join within this `ProcessSet` (its collectives only);
+            default: every rank.
+
     Returns:
-        The rank that joined last.
+        The rank that joined last (within the set).
 
     Example:
 
@@ -96,10 +117,10 @@ def join():
     >>> kr.join()                       # the others may still be stepping
     """
     _basics._require_initialized("join()")
-    return int(_run("JOIN", np.zeros((), np.int32), "keras_ring.join"))
+    return int(_run("JOIN", np.zeros((), np.int32), "keras_ring.join", process_set))
 
 
-def barrier(name=None):
+def barrier(name=None, process_set=None):
     """Returns once every rank has called `barrier()`.
 
     A collective completes only when every rank has submitted it, so an empty
@@ -107,6 +128,8 @@ def barrier(name=None):
 
     Args:
         name: Matches the call across ranks; by default the call order does.
+        process_set: Wait for this `ProcessSet`'s members only; default:
+            every rank.
     """
     _basics._require_initialized("barrier()")
-    _run("ALLREDUCE", np.empty(0, np.float32), _name("barrier", name))
+    _run("ALLREDUCE", np.empty(0, np.float32), _name("barrier", name, process_set), process_set)

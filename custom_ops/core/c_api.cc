@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "engine.h"
 
@@ -52,6 +53,29 @@ kr_status kr_enqueue(const kr_request* request) {
 }
 
 void kr_get_stats(kr_stats* out) { *out = Engine::Get().stats(); }
+
+kr_status kr_add_process_set(const int* ranks, int nranks, int32_t* id, char* err,
+                             size_t err_len) {
+  if (!id || nranks < 0 || (nranks > 0 && !ranks)) {
+    return WithError(KR_INVALID_ARGUMENT, "kr_add_process_set: invalid arguments", err, err_len);
+  }
+  std::string message;
+  kr_status s = Engine::Get().AddProcessSet(std::vector<int>(ranks, ranks + nranks), id, &message);
+  return WithError(s, message, err, err_len);
+}
+
+kr_status kr_remove_process_set(int32_t id, char* err, size_t err_len) {
+  std::string message;
+  kr_status s = Engine::Get().RemoveProcessSet(id, &message);
+  return WithError(s, message, err, err_len);
+}
+
+int kr_process_set_ranks(int32_t id, int* ranks, int max_ranks) {
+  std::vector<int> members;
+  if (!Engine::Get().ProcessSetRanks(id, &members)) return -1;
+  for (int i = 0; i < max_ranks && i < static_cast<int>(members.size()); ++i) ranks[i] = members[i];
+  return static_cast<int>(members.size());
+}
 
 const char* kr_mpi_library_version(void) {
   static std::string version = [] {

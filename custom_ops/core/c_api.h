@@ -84,6 +84,10 @@ typedef struct kr_request {
   const int64_t* splits;
   int nsplits;
   int64_t* received_splits;
+  /* The process set the collective runs in: 0 is the whole job, other ids
+   * come from kr_add_process_set. Ranks, sizes and root_rank are then those
+   * within the set. */
+  int32_t process_set;
   int device;                /* KR_DEVICE_CPU; GPU ordinals come later */
   /* Called from the engine thread; returns NULL if allocation failed (NULL
    * is accepted for an output of zero bytes). */
@@ -136,6 +140,17 @@ KR_API void kr_finalize(void);
 KR_API int kr_is_initialized(void);
 KR_API kr_status kr_get_topology(kr_topology* out);
 KR_API kr_status kr_enqueue(const kr_request* request);
+/* Process sets: subsets of the job's ranks that run collectives among
+ * themselves. Every rank of the job must call these, in the same order, with
+ * the same arguments (they are agreed like any collective); they block until
+ * done. add writes the new set's id (never reused); ranks are world ranks.
+ * remove fails the set's pending requests. */
+KR_API kr_status kr_add_process_set(const int* ranks, int nranks, int32_t* id, char* err,
+                                    size_t err_len);
+KR_API kr_status kr_remove_process_set(int32_t id, char* err, size_t err_len);
+/* The world ranks of process set id (up to max_ranks written); returns the
+ * set's size, or -1 if there is no such set. */
+KR_API int kr_process_set_ranks(int32_t id, int* ranks, int max_ranks);
 KR_API void kr_get_stats(kr_stats* out);
 /* MPI library version string of the MPI we were built against and loaded. */
 KR_API const char* kr_mpi_library_version(void);

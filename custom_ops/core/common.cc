@@ -56,6 +56,8 @@ const char* CollectiveName(Collective c) {
     case Collective::kReducescatter: return "reducescatter";
     case Collective::kAlltoall: return "alltoall";
     case Collective::kJoin: return "join";
+    case Collective::kAddProcessSet: return "add_process_set";
+    case Collective::kRemoveProcessSet: return "remove_process_set";
   }
   return "invalid collective";
 }

@@ -39,6 +39,11 @@ enum class Collective : int {
   kReducescatter = KR_REDUCESCATTER,
   kAlltoall = KR_ALLTOALL,
   kJoin = KR_JOIN,
+  // Internal, never in a kr_request: every rank adds or removes a process set
+  // at the same point of the agreed order (TensorMeta::splits holds the
+  // member ranks, or the id of the set to remove).
+  kAddProcessSet = 100,
+  kRemoveProcessSet = 101,
 };
 
 size_t DataTypeSize(DataType dtype);

@@ -192,14 +192,18 @@ kr_status Engine::Init(std::string* error) {
     return KR_INTERNAL;
   }
 
-  transport_ = std::make_unique<MpiTransport>(data_comm_);
-  coordinator_.reset(topology_.rank == kCoordinator
-                         ? new Coordinator(topology_.size, cache_capacity_)
-                         : nullptr);
-  pending_.clear();
-  joined_ = false;
-  cache_ids_.clear();
-  cached_.clear();
+  sets_.clear();
+  next_set_id_ = 1;
+  coordinating_ = topology_.rank == kCoordinator;
+  ProcessSet& world = sets_[0];
+  for (int r = 0; r < topology_.size; ++r) world.ranks.push_back(r);
+  world.rank = topology_.rank;
+  world.comm = data_comm_;
+  world.transport = std::make_unique<MpiTransport>(data_comm_);
+  if (coordinating_) world.coordinator = std::make_unique<Coordinator>(world.size(), cache_capacity_);
+  set_ranks_ = {{0, world.ranks}};
+  decided_.clear();
+  decided_since_ = {};
   queue_.clear();
   shutdown_requested_ = false;
   shutdown_sent_ = false;
@@ -218,8 +222,11 @@ kr_status Engine::Shutdown(std::string* error) {
   thread_.join();
   std::lock_guard<std::mutex> lock(mu_);
   running_ = false;
-  transport_.reset();
-  coordinator_.reset();
+  for (auto& [id, set] : sets_) {
+    if (id != 0 && set.comm != MPI_COMM_NULL) MPI_Comm_free(&set.comm);
+  }
+  sets_.clear();
+  set_ranks_.clear();
   MPI_Comm_free(&control_comm_);
   MPI_Comm_free(&data_comm_);
   SetError(error, "");
@@ -291,20 +298,13 @@ kr_status Engine::Enqueue(const kr_request& r) {
   req.allocate_output = r.allocate_output;
   req.done = r.done;
   req.ctx = r.ctx;
+  req.process_set = r.process_set;
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!running_ || shutdown_requested_) {
       return refuse(KR_NOT_INITIALIZED, "keras-ring is not initialised (call init() first) "
                                         "or has been shut down; tensor '" + name + "'");
-    }
-    if (c == Collective::kBroadcast && (r.root_rank < 0 || r.root_rank >= topology_.size)) {
-      return bad("root_rank " + std::to_string(r.root_rank) + " is outside [0, " +
-                 std::to_string(topology_.size) + ")");
-    }
-    if (c == Collective::kAlltoall) {
-      std::string why = CheckSplits(req.meta.splits, req.meta.shape[0], topology_.size);
-      if (!why.empty()) return bad(why);
     }
     // The loop takes the whole queue at once, so only the first request of a
     // batch needs to wake it: a burst of submissions costs one wake-up.
@@ -313,6 +313,65 @@ kr_status Engine::Enqueue(const kr_request& r) {
   }
   if (wake) cv_.notify_one();
   return KR_OK;
+}
+
+bool Engine::InFlight() const {
+  for (const auto& [id, set] : sets_) {
+    if (!set.pending.empty()) return true;
+  }
+  return false;
+}
+
+bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) {
+  const std::string& name = req.meta.name;
+  auto refuse = [&](const std::string& why) {
+    req.Complete(KR_INVALID_ARGUMENT,
+                 "keras-ring: invalid request for tensor '" + name + "': " + why);
+    return false;
+  };
+  auto found = sets_.find(req.process_set);
+  const std::string set_name = "process set " + std::to_string(req.process_set);
+  if (found == sets_.end()) {
+    return refuse(set_name + " does not exist (add_process_set() returns the ids; a removed "
+                  "set is gone)");
+  }
+  ProcessSet& set = found->second;
+  if (set.rank < 0) {
+    std::string ranks;
+    for (int r : set.ranks) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    return refuse("rank " + std::to_string(topology_.rank) + " is not in " + set_name +
+                  " (ranks [" + ranks + "])");
+  }
+  const TensorMeta& m = req.meta;
+  if (m.collective == Collective::kBroadcast && (m.root_rank < 0 || m.root_rank >= set.size())) {
+    return refuse("root_rank " + std::to_string(m.root_rank) + " is outside [0, " +
+                  std::to_string(set.size()) + ")" +
+                  (req.process_set ? " (ranks within " + set_name + ")" : ""));
+  }
+  if (m.collective == Collective::kAlltoall) {
+    std::string why = CheckSplits(m.splits, m.shape[0], set.size());
+    if (!why.empty()) return refuse(why);
+  }
+  if (set.pending.count(name)) {
+    req.Complete(KR_INVALID_ARGUMENT,
+                 "keras-ring: tensor '" + name + "' was submitted again while a "
+                 "collective of the same name is still in flight on rank " +
+                     std::to_string(topology_.rank) + "; names must be unique among "
+                     "concurrent operations (pass name=...)");
+    return false;
+  }
+  ReadyList& list = (*ready)[req.process_set];
+  list.process_set = req.process_set;
+  auto cached = set.cache_ids.find(name);
+  if (cached != set.cache_ids.end() && set.cached[cached->second] == m) {
+    list.cached.push_back(cached->second);
+    stats_.cached_tensors += 1;
+  } else {
+    list.metas.push_back(m);
+  }
+  set.joined = set.joined || m.collective == Collective::kJoin;
+  set.pending.emplace(name, std::move(req));
+  return true;
 }
 
 void Engine::Loop() {
@@ -324,8 +383,8 @@ void Engine::Loop() {
       {
         std::unique_lock<std::mutex> lock(mu_);
         auto has_news = [&] { return !queue_.empty() || (shutdown_requested_ && !shutdown_sent_); };
-        bool in_flight = !pending_.empty() || shutdown_sent_ || !sends_.empty();
-        bool watching_stalls = coordinator_ && (stall_check_.count() || stall_shutdown_.count());
+        bool in_flight = InFlight() || shutdown_sent_ || !sends_.empty();
+        bool watching_stalls = coordinating_ && (stall_check_.count() || stall_shutdown_.count());
         if (!in_flight && watching_stalls) {
           cv_.wait_for(lock, kStallTick, has_news);
         } else if (!in_flight) {
@@ -339,34 +398,15 @@ void Engine::Loop() {
       if (idle_passes > 0 && idle_passes <= kSpinPasses) std::this_thread::yield();
 
       bool progress = !fresh.empty();
-      ReadyList ready;
-      for (auto& req : fresh) {
-        const std::string& name = req.meta.name;
-        if (pending_.count(name)) {
-          req.Complete(KR_INVALID_ARGUMENT,
-                       "keras-ring: tensor '" + name + "' was submitted again while a "
-                       "collective of the same name is still in flight on rank " +
-                           std::to_string(topology_.rank) + "; names must be unique among "
-                           "concurrent operations (pass name=...)");
-          continue;
-        }
-        auto cached = cache_ids_.find(name);
-        if (cached != cache_ids_.end() && cached_[cached->second] == req.meta) {
-          ready.cached.push_back(cached->second);
-          stats_.cached_tensors += 1;
-        } else {
-          ready.metas.push_back(req.meta);
-        }
-        joined_ = joined_ || req.meta.collective == Collective::kJoin;
-        pending_.emplace(name, std::move(req));
+      std::unordered_map<int32_t, ReadyList> ready;
+      for (auto& req : fresh) Admit(req, &ready);
+      if (shutdown && !shutdown_sent_) {
+        ready[0].shutdown = true;
+        shutdown_sent_ = true;
       }
-      ready.shutdown = shutdown && !shutdown_sent_;
-      if (!ready.metas.empty() || !ready.cached.empty() || ready.shutdown) {
-        shutdown_sent_ = shutdown_sent_ || ready.shutdown;
-        SendReadyList(std::move(ready));
-      }
+      for (auto& entry : ready) SendReadyList(std::move(entry.second));
       ResponseList list;
-      bool got = coordinator_ ? ReceiveOnCoordinator(&list) : ReceiveResponses(&list);
+      bool got = coordinating_ ? ReceiveOnCoordinator(&list) : ReceiveResponses(&list);
       ReapSends();
       if (got) {
         progress = true;
@@ -384,7 +424,7 @@ void Engine::Loop() {
       SendReadyList(std::move(last));
       shutdown_sent_ = true;
     }
-    while (coordinator_ && !coordinator_->AllRequestedShutdown()) {
+    while (coordinating_ && !sets_[0].coordinator->AllRequestedShutdown()) {
       if (!ReceiveReadyLists()) std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     for (auto& send : sends_) CheckMpi(MPI_Wait(&send.first, MPI_STATUS_IGNORE), "MPI_Wait");
@@ -405,11 +445,26 @@ void Engine::StopAccepting(kr_status status, const std::string& message) {
   queue_.clear();
 }
 
+void Engine::AddToCoordinator(int world_rank, ReadyList list) {
+  if (list.shutdown) sets_[0].coordinator->RequestShutdown(world_rank);
+  auto found = sets_.find(list.process_set);
+  // A set removed since the rank sent this: its requests have failed there.
+  if (found == sets_.end()) return;
+  ProcessSet& set = found->second;
+  const auto pos = std::lower_bound(set.ranks.begin(), set.ranks.end(), world_rank);
+  KR_CHECK(pos != set.ranks.end() && *pos == world_rank,
+           "rank " + std::to_string(world_rank) + " sent requests for process set " +
+               std::to_string(list.process_set) + ", which it is not in");
+  const int rank = static_cast<int>(pos - set.ranks.begin());
+  const size_t first_new = decided_.size();
+  for (auto& m : list.metas) set.coordinator->Add(rank, std::move(m), &decided_);
+  for (int32_t id : list.cached) set.coordinator->AddCached(rank, id, &decided_);
+  for (size_t i = first_new; i < decided_.size(); ++i) decided_[i].process_set = list.process_set;
+}
+
 void Engine::SendReadyList(ReadyList list) {
-  if (coordinator_) {
-    for (auto& m : list.metas) coordinator_->Add(kCoordinator, std::move(m), &decided_);
-    for (int32_t id : list.cached) coordinator_->AddCached(kCoordinator, id, &decided_);
-    if (list.shutdown) coordinator_->RequestShutdown(kCoordinator);
+  if (coordinating_) {
+    AddToCoordinator(kCoordinator, std::move(list));
     return;
   }
   auto bytes = std::make_shared<std::vector<char>>(SerializeReadyList(list));
@@ -443,23 +498,26 @@ bool Engine::ReceiveReadyLists() {
     CheckMpi(MPI_Iprobe(MPI_ANY_SOURCE, kTagReady, control_comm_, &flag, &status), "MPI_Iprobe");
     if (!flag) return any;
     any = true;
-    ReadyList list = DeserializeReadyList(ReceiveProbed(control_comm_, status));
-    for (auto& m : list.metas) coordinator_->Add(status.MPI_SOURCE, std::move(m), &decided_);
-    for (int32_t id : list.cached) coordinator_->AddCached(status.MPI_SOURCE, id, &decided_);
-    if (list.shutdown) coordinator_->RequestShutdown(status.MPI_SOURCE);
+    AddToCoordinator(status.MPI_SOURCE,
+                     DeserializeReadyList(ReceiveProbed(control_comm_, status)));
   }
 }
 
 bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   ReceiveReadyLists();
   const auto now = Coordinator::Clock::now();
-  if (stall_check_.count()) {
-    for (const std::string& line : coordinator_->StallReports(now, stall_check_)) {
-      std::fprintf(stderr, "keras-ring: warning: %s\n", line.c_str());
+  for (auto& [id, set] : sets_) {
+    if (stall_check_.count()) {
+      for (const std::string& line : set.coordinator->StallReports(now, stall_check_)) {
+        std::fprintf(stderr, "keras-ring: warning: %s\n", line.c_str());
+      }
     }
+    if (!stall_shutdown_.count()) continue;
+    const size_t first_new = decided_.size();
+    set.coordinator->FailStalled(now, stall_shutdown_, &decided_);
+    for (size_t i = first_new; i < decided_.size(); ++i) decided_[i].process_set = id;
   }
-  if (stall_shutdown_.count()) coordinator_->FailStalled(now, stall_shutdown_, &decided_);
-  out->shutdown_rank = coordinator_->FirstShutdownRank();
+  out->shutdown_rank = sets_[0].coordinator->FirstShutdownRank();
   if (decided_.empty() && out->shutdown_rank < 0) return false;
   if (decided_since_ == Coordinator::Clock::time_point()) decided_since_ = now;
   // The cycle time holds agreed tensors back for a moment, so that tensors
@@ -524,18 +582,24 @@ struct StandIn {
 
 void Engine::Execute(ResponseList& list) {
   for (Response& resp : list.responses) {
+    auto found = sets_.find(resp.process_set);
+    // Every rank gets every response; a set's members run it (a removed set
+    // has failed its requests already).
+    if (found == sets_.end() || found->second.rank < 0) continue;
+    ProcessSet& set = found->second;
     std::vector<Request> requests;
     std::vector<std::unique_ptr<StandIn>> stand_ins;
     for (size_t i = 0; i < resp.names.size(); ++i) {
       const int32_t id = resp.cache_ids[i];
       if (resp.cached) {
-        KR_CHECK(id >= 0 && size_t(id) < cached_.size(), "unknown cache id " + std::to_string(id));
-        resp.names[i] = cached_[id].name;
+        KR_CHECK(id >= 0 && size_t(id) < set.cached.size(),
+                 "unknown cache id " + std::to_string(id));
+        resp.names[i] = set.cached[id].name;
       }
       const std::string& name = resp.names[i];
-      auto it = pending_.find(name);
-      if (it == pending_.end() && !resp.error.empty()) continue;  // stalled elsewhere
-      if (it == pending_.end() && joined_ && resp.send_metas) {
+      auto it = set.pending.find(name);
+      if (it == set.pending.end() && !resp.error.empty()) continue;  // stalled elsewhere
+      if (it == set.pending.end() && set.joined && resp.send_metas) {
         auto s = std::make_unique<StandIn>();
         Request req;
         req.meta = resp.metas[i];
@@ -552,18 +616,18 @@ void Engine::Execute(ResponseList& list) {
         requests.push_back(std::move(req));
         continue;
       }
-      KR_CHECK(it != pending_.end(), "the coordinator scheduled tensor '" + name +
-                                         "', which this rank has not submitted");
+      KR_CHECK(it != set.pending.end(), "the coordinator scheduled tensor '" + name +
+                                            "', which this rank has not submitted");
       // A new cache entry: remember this rank's request under the id.
       if (id >= 0 && !resp.cached) {
-        if (cached_.size() <= size_t(id)) cached_.resize(id + 1);
-        cached_[id] = it->second.meta;
-        cache_ids_[name] = id;
+        if (set.cached.size() <= size_t(id)) set.cached.resize(id + 1);
+        set.cached[id] = it->second.meta;
+        set.cache_ids[name] = id;
       }
       requests.push_back(std::move(it->second));
-      pending_.erase(it);
+      set.pending.erase(it);
     }
-    Run(requests, resp);
+    Run(set, requests, resp);
   }
   if (list.shutdown_rank >= 0) {
     FailAll(KR_ABORTED,
@@ -575,7 +639,7 @@ void Engine::Execute(ResponseList& list) {
   }
 }
 
-void Engine::Run(const std::vector<Request>& requests, const Response& resp) {
+void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp) {
   if (!resp.error.empty()) {
     for (const Request& req : requests) req.Complete(resp.status, resp.error);
     return;
@@ -584,26 +648,36 @@ void Engine::Run(const std::vector<Request>& requests, const Response& resp) {
   try {
     switch (requests[0].meta.collective) {
       case Collective::kAllreduce:
-        RunAllreduce(requests);
+        RunAllreduce(set, requests);
         break;
       case Collective::kBroadcast:
-        RunBroadcast(requests[0]);
+        RunBroadcast(set, requests[0]);
         break;
       case Collective::kAllgather:
-        ok = RunAllgather(requests[0], resp);
+        ok = RunAllgather(set, requests[0], resp);
         break;
       case Collective::kReducescatter:
-        ok = RunReducescatter(requests[0]);
+        ok = RunReducescatter(set, requests[0]);
         break;
       case Collective::kAlltoall:
-        ok = RunAlltoall(requests[0], resp);
+        ok = RunAlltoall(set, requests[0], resp);
         break;
       case Collective::kJoin: {
+        // The last rank to join, as a rank of the set.
         const int32_t last = static_cast<int32_t>(resp.rows[0]);
         std::memcpy(requests[0].output, &last, sizeof last);
-        joined_ = false;
+        set.joined = false;
         break;
       }
+      case Collective::kAddProcessSet: {
+        const TensorMeta& m = requests[0].meta;
+        CreateProcessSet(std::vector<int>(m.splits.begin(), m.splits.end()),
+                         static_cast<int32_t*>(requests[0].output));
+        break;
+      }
+      case Collective::kRemoveProcessSet:
+        DestroyProcessSet(static_cast<int32_t>(requests[0].meta.splits[0]));
+        break;
     }
   } catch (const EngineError& e) {
     for (const Request& req : requests) {
@@ -618,7 +692,7 @@ void Engine::Run(const std::vector<Request>& requests, const Response& resp) {
   for (const Request& req : requests) req.Complete(KR_OK, "");
 }
 
-void Engine::RunAllreduce(const std::vector<Request>& requests) {
+void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests) {
   const TensorMeta& m = requests[0].meta;
   const size_t esize = DataTypeSize(m.dtype);
   AllreduceOptions o;
@@ -631,7 +705,7 @@ void Engine::RunAllreduce(const std::vector<Request>& requests) {
     o.count = ElementCount(m.shape);
     if (o.count && req.output != req.input) std::memcpy(req.output, req.input, o.count * esize);
     o.buffer = req.output;
-    RingAllreduce(*transport_, o);
+    RingAllreduce(*set.transport, o);
     return;
   }
   // Fused: pack every input into one buffer, reduce once, unpack. Packing is
@@ -645,7 +719,7 @@ void Engine::RunAllreduce(const std::vector<Request>& requests) {
     packed += bytes;
   }
   o.buffer = fusion_buffer_.data();
-  RingAllreduce(*transport_, o);
+  RingAllreduce(*set.transport, o);
   packed = fusion_buffer_.data();
   for (const Request& req : requests) {
     const size_t bytes = ElementCount(req.meta.shape) * esize;
@@ -654,17 +728,17 @@ void Engine::RunAllreduce(const std::vector<Request>& requests) {
   }
 }
 
-void Engine::RunBroadcast(const Request& req) {
+void Engine::RunBroadcast(ProcessSet& set, const Request& req) {
   const TensorMeta& m = req.meta;
   const size_t bytes = ElementCount(m.shape) * DataTypeSize(m.dtype);
-  if (bytes && topology_.rank == m.root_rank && req.output != req.input) {
+  if (bytes && set.rank == m.root_rank && req.output != req.input) {
     std::memcpy(req.output, req.input, bytes);
   }
   BroadcastOptions o;
   o.buffer = req.output;
   o.bytes = bytes;
   o.root = m.root_rank;
-  Broadcast(*transport_, o);
+  Broadcast(*set.transport, o);
 }
 
 void* Engine::AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
@@ -683,7 +757,7 @@ void* Engine::AllocateOutput(const Request& req, const std::vector<int64_t>& sha
   return scratch->data();
 }
 
-bool Engine::RunAllgather(const Request& req, const Response& resp) {
+bool Engine::RunAllgather(ProcessSet& set, const Request& req, const Response& resp) {
   const TensorMeta& m = req.meta;
   const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
   std::vector<int64_t> out_shape = m.shape;
@@ -694,16 +768,16 @@ bool Engine::RunAllgather(const Request& req, const Response& resp) {
   std::vector<char> scratch;
   bool failed;
   o.output = AllocateOutput(req, out_shape, &scratch, &failed);
-  RingAllgather(*transport_, o);
+  RingAllgather(*set.transport, o);
   return !failed;
 }
 
-bool Engine::RunReducescatter(const Request& req) {
+bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
   const TensorMeta& m = req.meta;
-  const int p = topology_.size;
+  const int p = set.size();
   const size_t row_elements = ElementCount(m.shape, 1);
   const size_t esize = DataTypeSize(m.dtype);
-  const int r = topology_.rank;
+  const int r = set.rank;
   auto rows = [&](int rank) { return m.shape[0] / p + (rank < m.shape[0] % p); };
   ReduceScatterOptions o;
   for (int i = 0; i < p; ++i) o.counts.push_back(rows(i) * row_elements);
@@ -716,7 +790,7 @@ bool Engine::RunReducescatter(const Request& req) {
   o.op = m.op;
   o.prescale_factor = m.prescale_factor;
   o.postscale_factor = m.postscale_factor;
-  RingReduceScatter(*transport_, o);
+  RingReduceScatter(*set.transport, o);
   std::vector<int64_t> out_shape = m.shape;
   out_shape[0] = rows(r);
   std::vector<char> scratch;
@@ -727,10 +801,10 @@ bool Engine::RunReducescatter(const Request& req) {
   return !failed;
 }
 
-bool Engine::RunAlltoall(const Request& req, const Response& resp) {
+bool Engine::RunAlltoall(ProcessSet& set, const Request& req, const Response& resp) {
   const TensorMeta& m = req.meta;
-  const int p = topology_.size;
-  const int r = topology_.rank;
+  const int p = set.size();
+  const int r = set.rank;
   const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
   AlltoallOptions o;
   std::vector<int64_t> out_shape = m.shape;
@@ -746,15 +820,145 @@ bool Engine::RunAlltoall(const Request& req, const Response& resp) {
   std::vector<char> scratch;
   bool failed;
   o.output = AllocateOutput(req, out_shape, &scratch, &failed);
-  Alltoall(*transport_, o);
+  Alltoall(*set.transport, o);
   return !failed;
 }
 
 void Engine::FailAll(kr_status status, const std::string& message) {
-  for (auto& entry : pending_) {
-    entry.second.Complete(status, message + " (tensor '" + entry.first + "')");
+  for (auto& [id, set] : sets_) {
+    for (auto& entry : set.pending) {
+      entry.second.Complete(status, message + " (tensor '" + entry.first + "')");
+    }
+    set.pending.clear();
   }
-  pending_.clear();
+}
+
+void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
+  *id = next_set_id_++;
+  ProcessSet& set = sets_[*id];
+  set.ranks = ranks;
+  const auto pos = std::find(ranks.begin(), ranks.end(), topology_.rank);
+  set.rank = pos == ranks.end() ? -1 : static_cast<int>(pos - ranks.begin());
+  // Ordered by world rank, so a member's rank in the communicator is its
+  // position in `ranks` (ascending).
+  CheckMpi(MPI_Comm_split(data_comm_, set.rank >= 0 ? 0 : MPI_UNDEFINED, topology_.rank,
+                          &set.comm),
+           "MPI_Comm_split (process set)");
+  if (set.rank >= 0) {
+    MPI_Comm_set_errhandler(set.comm, MPI_ERRORS_RETURN);
+    set.transport = std::make_unique<MpiTransport>(set.comm);
+  }
+  if (coordinating_) {
+    set.coordinator = std::make_unique<Coordinator>(set.size(), cache_capacity_);
+    set.coordinator->SetWorldRanks(ranks, "in process set " + std::to_string(*id) + ", ");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  set_ranks_[*id] = ranks;
+}
+
+void Engine::DestroyProcessSet(int32_t id) {
+  auto found = sets_.find(id);
+  if (found == sets_.end()) return;
+  ProcessSet& set = found->second;
+  for (auto& entry : set.pending) {
+    entry.second.Complete(KR_ABORTED, "keras-ring: process set " + std::to_string(id) +
+                                          " was removed while tensor '" + entry.first +
+                                          "' was pending in it");
+  }
+  if (set.comm != MPI_COMM_NULL) MPI_Comm_free(&set.comm);
+  sets_.erase(found);
+  std::lock_guard<std::mutex> lock(mu_);
+  set_ranks_.erase(id);
+}
+
+bool Engine::ProcessSetRanks(int32_t id, std::vector<int>* ranks) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = set_ranks_.find(id);
+  if (found == set_ranks_.end()) return false;
+  *ranks = found->second;
+  return true;
+}
+
+namespace {
+
+// Lets a framework thread wait for an internal request.
+struct Waiter {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  kr_status status = KR_OK;
+  std::string message;
+
+  static void Done(void* ctx, kr_status status, const char* message) {
+    auto* self = static_cast<Waiter*>(ctx);
+    std::lock_guard<std::mutex> lock(self->mu);
+    self->status = status;
+    self->message = message ? message : "";
+    self->finished = true;
+    self->cv.notify_all();
+  }
+};
+
+}  // namespace
+
+kr_status Engine::RunControl(Request req, std::string* error) {
+  Waiter waiter;
+  req.done = &Waiter::Done;
+  req.ctx = &waiter;
+  req.meta.dtype = DataType::kInt32;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!running_ || shutdown_requested_) {
+      SetError(error, "keras-ring is not initialised (call init() first) or has been shut down");
+      return KR_NOT_INITIALIZED;
+    }
+    // Every rank makes these calls in the same order, so the counter names
+    // them alike everywhere.
+    req.meta.name = "keras_ring." + std::string(CollectiveName(req.meta.collective)) + "." +
+                    std::to_string(control_calls_++);
+    queue_.push_back(std::move(req));
+  }
+  cv_.notify_one();
+  std::unique_lock<std::mutex> lock(waiter.mu);
+  waiter.cv.wait(lock, [&] { return waiter.finished; });
+  SetError(error, waiter.message);
+  return waiter.status;
+}
+
+kr_status Engine::AddProcessSet(std::vector<int> ranks, int32_t* id, std::string* error) {
+  std::sort(ranks.begin(), ranks.end());
+  std::string listed;
+  for (int r : ranks) listed += (listed.empty() ? "" : ", ") + std::to_string(r);
+  auto bad = [&](const std::string& why) {
+    SetError(error, "keras-ring: add_process_set: " + why + ". Received: ranks [" + listed + "]");
+    return KR_INVALID_ARGUMENT;
+  };
+  const int size = topology().size;
+  if (ranks.empty()) return bad("a process set needs at least one rank");
+  if (std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end()) return bad("a rank repeats");
+  if (ranks.front() < 0 || ranks.back() >= size) {
+    return bad("ranks must lie in [0, " + std::to_string(size) + ")");
+  }
+  Request req;
+  req.meta.collective = Collective::kAddProcessSet;
+  req.meta.splits.assign(ranks.begin(), ranks.end());
+  req.output = id;
+  return RunControl(std::move(req), error);
+}
+
+kr_status Engine::RemoveProcessSet(int32_t id, std::string* error) {
+  std::vector<int> ranks;
+  if (id == 0 || !ProcessSetRanks(id, &ranks)) {
+    SetError(error, "keras-ring: remove_process_set: " +
+                        std::string(id == 0 ? "the global process set (id 0) cannot be removed"
+                                            : "there is no process set with id " +
+                                                  std::to_string(id)));
+    return KR_INVALID_ARGUMENT;
+  }
+  Request req;
+  req.meta.collective = Collective::kRemoveProcessSet;
+  req.meta.splits = {id};
+  return RunControl(std::move(req), error);
 }
 
 }  // namespace keras_ring

@@ -31,6 +31,7 @@ struct Request {
   void* output = nullptr;
   int device = KR_DEVICE_CPU;
   int64_t* received_splits = nullptr;  // alltoall, optional
+  int32_t process_set = 0;
   void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape) = nullptr;
   void (*done)(void* ctx, kr_status status, const char* message) = nullptr;
   void* ctx = nullptr;
@@ -38,6 +39,25 @@ struct Request {
   void Complete(kr_status status, const std::string& message) const {
     done(ctx, status, message.c_str());
   }
+};
+
+// One process set as this process sees it. Set 0 is the whole job.
+struct ProcessSet {
+  std::vector<int> ranks;        // world ranks, ascending
+  int rank = -1;                 // this process's rank within the set; -1: not a member
+  MPI_Comm comm = MPI_COMM_NULL;  // data communicator of the members
+  std::unique_ptr<Transport> transport;
+  // World rank 0 coordinates every set, member or not.
+  std::unique_ptr<Coordinator> coordinator;
+  // Members only: requests sent to the coordinator and not yet completed.
+  std::unordered_map<std::string, Request> pending;
+  bool joined = false;  // a join request of this rank is pending
+  // The response cache as this rank knows it: name -> id, and by id the
+  // request this rank made when the coordinator cached the name.
+  std::unordered_map<std::string, int32_t> cache_ids;
+  std::vector<TensorMeta> cached;
+
+  int size() const { return static_cast<int>(ranks.size()); }
 };
 
 class Engine {
@@ -55,30 +75,42 @@ class Engine {
   }
   // Validates and queues; on refusal calls done itself and returns the status.
   kr_status Enqueue(const kr_request& request);
+  // Agreed with every rank like a collective of the whole job; blocking.
+  kr_status AddProcessSet(std::vector<int> ranks, int32_t* id, std::string* error);
+  kr_status RemoveProcessSet(int32_t id, std::string* error);
+  // The set's world ranks; false if there is no such set.
+  bool ProcessSetRanks(int32_t id, std::vector<int>* ranks) const;
 
  private:
   Engine() = default;
+  // Queues an internal request of the whole job and waits for it.
+  kr_status RunControl(Request req, std::string* error);
   void Loop();
-  // One pass of the background loop; returns true if anything happened.
-  bool Cycle();
+  // Takes a request from the queue into its set's pending table and the ready
+  // list; false if it was refused (and completed).
+  bool Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready);
   void SendReadyList(ReadyList list);
   bool ReceiveReadyLists();  // rank 0: records incoming ready lists
+  void AddToCoordinator(int world_rank, ReadyList list);
   bool ReceiveOnCoordinator(ResponseList* out);
   bool ReceiveResponses(ResponseList* out);
   void Execute(ResponseList& list);
   // Runs one agreed collective (several requests when fused).
-  void Run(const std::vector<Request>& requests, const Response& resp);
-  void RunAllreduce(const std::vector<Request>& requests);
-  void RunBroadcast(const Request& req);
+  void Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp);
+  void RunAllreduce(ProcessSet& set, const std::vector<Request>& requests);
+  void RunBroadcast(ProcessSet& set, const Request& req);
   // These three allocate their output through the request; each returns false
   // if that failed (the request is then already completed with the error).
-  bool RunAllgather(const Request& req, const Response& resp);
-  bool RunReducescatter(const Request& req);
-  bool RunAlltoall(const Request& req, const Response& resp);
+  bool RunAllgather(ProcessSet& set, const Request& req, const Response& resp);
+  bool RunReducescatter(ProcessSet& set, const Request& req);
+  bool RunAlltoall(ProcessSet& set, const Request& req, const Response& resp);
   // Asks for the output; on failure returns a scratch buffer so that this rank
   // still takes part in the collective, and sets *failed.
   void* AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
                        std::vector<char>* scratch, bool* failed);
+  void CreateProcessSet(const std::vector<int>& ranks, int32_t* id);
+  void DestroyProcessSet(int32_t id);
+  bool InFlight() const;
   void FailAll(kr_status status, const std::string& message);
   // The loop has ended: refuse what is queued and whatever comes later.
   void StopAccepting(kr_status status, const std::string& message);
@@ -90,24 +122,22 @@ class Engine {
   std::deque<Request> queue_;
   bool shutdown_requested_ = false;
   bool running_ = false;
+  // Copies of each set's world ranks, for framework threads.
+  std::unordered_map<int32_t, std::vector<int>> set_ranks_;
+  uint64_t control_calls_ = 0;  // names internal requests alike on every rank
 
   // Owned by the background thread while it runs.
   std::thread thread_;
-  std::unordered_map<std::string, Request> pending_;
-  bool joined_ = false;  // a join request of this rank is pending
-  // The response cache as this rank knows it: name -> id, and by id the
-  // request this rank made when the coordinator cached the name.
-  std::unordered_map<std::string, int32_t> cache_ids_;
-  std::vector<TensorMeta> cached_;
-  size_t cache_capacity_ = 0;
+  std::unordered_map<int32_t, ProcessSet> sets_;
+  int32_t next_set_id_ = 1;
   bool shutdown_sent_ = false;
-  std::unique_ptr<Coordinator> coordinator_;       // rank 0 only
+  bool coordinating_ = false;                      // world rank 0
   std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
   std::chrono::steady_clock::time_point decided_since_;  // when decided_ became non-empty
   // Control messages in flight with the bytes they send from.
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
-  std::unique_ptr<Transport> transport_;
   size_t fusion_threshold_ = 0;
+  size_t cache_capacity_ = 0;
   std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
   std::chrono::steady_clock::duration cycle_time_{};  // 0: send agreed tensors at once
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective

@@ -80,6 +80,8 @@ std::string TensorMeta::Describe() const {
   }
   if (collective == Collective::kBroadcast) s << " root=" << root_rank;
   if (collective == Collective::kAlltoall && !splits.empty()) s << " splits=" << DimsToString(splits);
+  if (collective == Collective::kAddProcessSet) s << " ranks=" << DimsToString(splits);
+  if (collective == Collective::kRemoveProcessSet) s << " id=" << DimsToString(splits);
   return s.str();
 }
 
@@ -121,6 +123,7 @@ TensorMeta GetMeta(Reader& r) {
 
 std::vector<char> SerializeReadyList(const ReadyList& list) {
   Writer w;
+  w.Put<int32_t>(list.process_set);
   w.Put<uint8_t>(list.shutdown);
   w.Put<uint64_t>(list.metas.size());
   for (const auto& m : list.metas) PutMeta(w, m);
@@ -132,6 +135,7 @@ std::vector<char> SerializeReadyList(const ReadyList& list) {
 ReadyList DeserializeReadyList(const std::vector<char>& bytes) {
   Reader r(bytes);
   ReadyList list;
+  list.process_set = r.Get<int32_t>();
   list.shutdown = r.Get<uint8_t>() != 0;
   list.metas.resize(r.Get<uint64_t>());
   for (auto& m : list.metas) m = GetMeta(r);
@@ -145,6 +149,7 @@ std::vector<char> SerializeResponses(const ResponseList& list) {
   w.Put<int32_t>(list.shutdown_rank);
   w.Put<uint64_t>(list.responses.size());
   for (const auto& resp : list.responses) {
+    w.Put<int32_t>(resp.process_set);
     w.Put<uint8_t>(resp.cached);
     w.Put<uint64_t>(resp.cache_ids.size());
     for (size_t i = 0; i < resp.cache_ids.size(); ++i) {
@@ -168,6 +173,7 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes) {
   list.shutdown_rank = r.Get<int32_t>();
   list.responses.resize(r.Get<uint64_t>());
   for (auto& resp : list.responses) {
+    resp.process_set = r.Get<int32_t>();
     resp.cached = r.Get<uint8_t>() != 0;
     resp.cache_ids.resize(r.Get<uint64_t>());
     resp.names.resize(resp.cache_ids.size());
@@ -328,13 +334,17 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
         break;
       case Collective::kJoin:
         break;
+      case Collective::kAddProcessSet:
+      case Collective::kRemoveProcessSet:
+        agree = m.splits == first.splits;
+        break;
     }
   }
   std::ostringstream s;
   if (!agree) {
-    s << "keras-ring: ranks disagree on tensor '" << name << "':";
+    s << "keras-ring: " << label_ << "ranks disagree on tensor '" << name << "':";
     for (int r = 0; r < size_; ++r) {
-      s << (r ? ";" : "") << " rank " << r << " sent "
+      s << (r ? ";" : "") << " rank " << WorldRank(r) << " sent "
         << (e.present[r] ? e.metas[r].Describe() : std::string("nothing (joined)"));
     }
     return s.str();
@@ -352,14 +362,16 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
     why = "alltoall does not support joined ranks";
   }
   if (why.empty()) return "";
-  s << "keras-ring: tensor '" << name << "' (" << first.Describe() << ") cannot run while ranks [";
-  bool comma = false;
+  s << "keras-ring: " << label_ << "tensor '" << name << "' (" << first.Describe()
+    << ") cannot run while ranks [" << RankList(e.present, false) << "] have joined: " << why;
+  return s.str();
+}
+
+std::string Coordinator::RankList(const std::vector<bool>& which, bool value) const {
+  std::ostringstream s;
   for (int r = 0; r < size_; ++r) {
-    if (e.present[r]) continue;
-    s << (comma ? ", " : "") << r;
-    comma = true;
+    if (which[r] == value) s << (s.tellp() > 0 ? ", " : "") << WorldRank(r);
   }
-  s << "] have joined: " << why;
   return s.str();
 }
 
@@ -369,9 +381,11 @@ bool Fusable(const Response& r) {
   return r.error.empty() && r.metas[0].collective == Collective::kAllreduce;
 }
 
-bool SameReduction(const TensorMeta& a, const TensorMeta& b) {
-  return a.dtype == b.dtype && a.op == b.op && a.prescale_factor == b.prescale_factor &&
-         a.postscale_factor == b.postscale_factor;
+bool SameReduction(const Response& a, const Response& b) {
+  const TensorMeta& x = a.metas[0];
+  const TensorMeta& y = b.metas[0];
+  return a.process_set == b.process_set && x.dtype == y.dtype && x.op == y.op &&
+         x.prescale_factor == y.prescale_factor && x.postscale_factor == y.postscale_factor;
 }
 
 }  // namespace
@@ -385,7 +399,7 @@ std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
     if (Fusable(fused)) {
       for (size_t j = i + 1; j < responses.size(); ++j) {
         const Response& next = responses[j];
-        if (taken[j] || !Fusable(next) || !SameReduction(fused.metas[0], next.metas[0]) ||
+        if (taken[j] || !Fusable(next) || !SameReduction(fused, next) ||
             fused.bytes + next.bytes > threshold) {
           continue;
         }
@@ -405,17 +419,13 @@ std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
 
 std::string Coordinator::Stall(const std::string& name, const Entry& e,
                                Clock::time_point now) const {
-  std::ostringstream waiting, missing;
-  for (int r = 0; r < size_; ++r) {
-    std::ostringstream& s = e.present[r] ? waiting : missing;
-    s << (s.tellp() > 0 ? ", " : "") << r;
-  }
   const TensorMeta& m = e.metas[std::find(e.present.begin(), e.present.end(), true) -
                                 e.present.begin()];
   auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now - e.first_seen).count();
   std::ostringstream s;
-  s << "ranks [" << waiting.str() << "] have been waiting " << seconds << " s for ranks ["
-    << missing.str() << "] to submit tensor '" << name << "' (" << m.Describe() << ")";
+  s << label_ << "ranks [" << RankList(e.present, true) << "] have been waiting " << seconds
+    << " s for ranks [" << RankList(e.present, false) << "] to submit tensor '" << name << "' ("
+    << m.Describe() << ")";
   return s.str();
 }
 

@@ -39,6 +39,7 @@ struct TensorMeta {
   int root_rank = 0;
   std::vector<int64_t> shape;
   std::vector<int64_t> splits;  // alltoall: rows for each rank; empty = even split
+                                // (process set changes: see Collective)
 
   std::string Describe() const;  // "float32[2,3] Sum" and the like, for errors
   bool operator==(const TensorMeta& o) const;
@@ -47,6 +48,7 @@ struct TensorMeta {
 // The coordinator's decision about one tensor, or several fused into one
 // collective (allreduces of the same dtype, op and scale factors).
 struct Response {
+  int32_t process_set = 0;
   std::vector<std::string> names;
   // Parallel to names: the name's response-cache id, or -1. When `cached`,
   // every rank submitted every name by id and the response travels as ids
@@ -83,6 +85,7 @@ struct ResponseList {
 
 // What one rank tells the coordinator in one message.
 struct ReadyList {
+  int32_t process_set = 0;
   std::vector<TensorMeta> metas;  // new, or changed since cached
   std::vector<int32_t> cached;    // unchanged since cached: by id
   bool shutdown = false;
@@ -113,6 +116,11 @@ class Coordinator {
   // the rank joined, which may complete names that only it was missing.
   void Add(int rank, TensorMeta meta, std::vector<Response>* out,
            Clock::time_point now = Clock::now());
+  // Names ranks in messages as these (world) ranks; default: 0..size-1.
+  void SetWorldRanks(std::vector<int> ranks, std::string label) {
+    world_ranks_ = std::move(ranks);
+    label_ = std::move(label);
+  }
   // The same for a name `rank` sent by cache id.
   void AddCached(int rank, int32_t id, std::vector<Response>* out,
                  Clock::time_point now = Clock::now());
@@ -151,8 +159,13 @@ class Coordinator {
   // Empty when the present ranks agree, else the error.
   std::string Disagreement(const std::string& name, const Entry& e) const;
 
+  int WorldRank(int r) const { return world_ranks_.empty() ? r : world_ranks_[r]; }
+  std::string RankList(const std::vector<bool>& which, bool value) const;
+
   int size_;
   size_t cache_capacity_;
+  std::vector<int> world_ranks_;
+  std::string label_;  // "in process set 1, " or empty
   std::unordered_map<std::string, Entry> table_;
   std::vector<Cached> cache_;  // by id
   std::unordered_map<std::string, int32_t> cache_ids_;

@@ -121,7 +121,7 @@ class Handle {
 
 std::unique_ptr<Handle> Submit(int collective, py::array array, const std::string& name, int op,
                                double prescale, double postscale, int root_rank,
-                               std::vector<int64_t> splits) {
+                               std::vector<int64_t> splits, int32_t process_set) {
   py::array input = py::array::ensure(array, py::array::c_style);
   if (!input) throw py::type_error("keras-ring: expected an array-like input");
   kr_dtype dtype = ToKrDtype(input.dtype());
@@ -135,9 +135,9 @@ std::unique_ptr<Handle> Submit(int collective, py::array array, const std::strin
   }
   auto completion = std::make_shared<Completion>();
   completion->element_size = static_cast<size_t>(input.itemsize());
-  kr_topology topology{};
-  if (collective == KR_ALLTOALL && kr_get_topology(&topology) == KR_OK) {
-    completion->received_splits.resize(topology.size);
+  if (collective == KR_ALLTOALL) {
+    const int set_size = kr_process_set_ranks(process_set, nullptr, 0);
+    completion->received_splits.resize(set_size > 0 ? set_size : 0);
   }
 
   kr_request r{};
@@ -157,6 +157,7 @@ std::unique_ptr<Handle> Submit(int collective, py::array array, const std::strin
   r.received_splits = completion->received_splits.empty() ? nullptr
                                                           : completion->received_splits.data();
   r.device = KR_DEVICE_CPU;
+  r.process_set = process_set;
   r.allocate_output = &Completion::Allocate;
   r.done = &Completion::Done;
   r.ctx = new std::shared_ptr<Completion>(completion);
@@ -228,6 +229,33 @@ PYBIND11_MODULE(_engine, m) {
     return d;
   }, "Counters since the process started: collectives run, tensors completed, fused tensors, "
      "tensors announced by response-cache id.");
+  m.def("add_process_set", [](std::vector<int> ranks) {
+    char err[2048] = {0};
+    int32_t id = -1;
+    kr_status s;
+    {
+      py::gil_scoped_release release;
+      s = kr_add_process_set(ranks.data(), static_cast<int>(ranks.size()), &id, err, sizeof(err));
+    }
+    Check(s, err);
+    return id;
+  }, "Adds a process set of these world ranks (every rank must call it); returns its id.");
+  m.def("remove_process_set", [](int32_t id) {
+    char err[2048] = {0};
+    kr_status s;
+    {
+      py::gil_scoped_release release;
+      s = kr_remove_process_set(id, err, sizeof(err));
+    }
+    Check(s, err);
+  }, "Removes a process set (every rank must call it).");
+  m.def("process_set_ranks", [](int32_t id) -> py::object {
+    const int n = kr_process_set_ranks(id, nullptr, 0);
+    if (n < 0) return py::none();
+    std::vector<int> ranks(n);
+    kr_process_set_ranks(id, ranks.data(), n);
+    return py::cast(ranks);
+  }, "The world ranks of a process set, or None if there is no such set.");
   m.def("mpi_library_version", [] { return std::string(kr_mpi_library_version()); });
 
   py::class_<Handle>(m, "Handle")
@@ -238,6 +266,6 @@ PYBIND11_MODULE(_engine, m) {
   m.def("submit", &Submit, py::arg("collective"), py::arg("array"), py::arg("name"),
         py::arg("op") = static_cast<int>(KR_SUM), py::arg("prescale_factor") = 1.0,
         py::arg("postscale_factor") = 1.0, py::arg("root_rank") = 0,
-        py::arg("splits") = std::vector<int64_t>(),
+        py::arg("splits") = std::vector<int64_t>(), py::arg("process_set") = 0,
         "Starts a collective on a NumPy array and returns a Handle.");
 }

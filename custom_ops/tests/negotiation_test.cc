@@ -147,8 +147,10 @@ KR_TEST(WireFormatRoundTrips) {
   ready.metas = metas;
   ready.cached = {4, 0};
   ready.shutdown = true;
+  ready.process_set = 3;
   ReadyList back_list = DeserializeReadyList(SerializeReadyList(ready));
   KR_EXPECT(back_list.shutdown);
+  KR_EXPECT_EQ(back_list.process_set, 3);
   KR_EXPECT(back_list.cached == ready.cached);
   const std::vector<TensorMeta>& back = back_list.metas;
   KR_EXPECT_EQ(back.size(), 3u);
@@ -169,6 +171,7 @@ KR_TEST(WireFormatRoundTrips) {
   list.responses[2].names = {"c", "d"};
   list.responses[2].cache_ids = {7, 2};
   list.responses[2].cached = true;
+  list.responses[2].process_set = 2;
   list.responses[1].error = "bad";
   list.responses[1].status = KR_ABORTED;
   list.responses[1].rows = {1, 0, 7};
@@ -182,6 +185,7 @@ KR_TEST(WireFormatRoundTrips) {
   KR_EXPECT(got.responses[1].metas.size() == 1 && got.responses[1].metas[0] == metas[2]);
   // Cached responses carry ids only: the ranks look the names up.
   KR_EXPECT(got.responses[2].cached);
+  KR_EXPECT_EQ(got.responses[2].process_set, 2);
   KR_EXPECT(got.responses[2].cache_ids == list.responses[2].cache_ids);
   KR_EXPECT(got.responses[2].names == std::vector<std::string>({"", ""}));
   std::vector<char> truncated = SerializeResponses(list);
@@ -299,6 +303,28 @@ KR_TEST(JoinedRanksCountAsPresentUntilEveryRankHasJoined) {
   out.clear();
   c.Add(0, Allreduce("after", {1}), &out);
   KR_EXPECT(out.empty());
+}
+
+KR_TEST(AProcessSetsCoordinatorNamesWorldRanks) {
+  using std::chrono::seconds;
+  const auto t0 = Coordinator::Clock::now();
+  Coordinator c(2);
+  c.SetWorldRanks({1, 3}, "in process set 4, ");
+  std::vector<Response> out;
+  c.Add(1, Allreduce("x", {2}), &out, t0);
+  auto reports = c.StallReports(t0 + seconds(61), seconds(60));
+  KR_EXPECT_EQ(reports.size(), 1u);
+  KR_EXPECT(reports[0].find("in process set 4, ranks [3] have been waiting 61 s for ranks [1]") ==
+            0);
+  c.Add(0, Allreduce("x", {3}), &out, t0);
+  KR_EXPECT(out[0].error.find("in process set 4, ranks disagree on tensor 'x': rank 1 sent "
+                              "allreduce of float32[3] op=sum; rank 3 sent") != std::string::npos);
+}
+
+KR_TEST(FusionKeepsProcessSetsApart) {
+  auto decided = Agree(1, {{Allreduce("a", {1}), Allreduce("b", {1})}});
+  decided[1].process_set = 1;
+  KR_EXPECT_EQ(Fuse(decided, 1 << 20).size(), 2u);
 }
 
 }  // namespace

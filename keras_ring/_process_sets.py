@@ -1,0 +1,156 @@
+"""Process sets: subsets of the job's ranks that run collectives among themselves.
+
+As in Horovod, a `ProcessSet` names its members by world rank; once added
+(`add_process_set`, or `init(process_sets=[...])`) it has an id, and every
+collective takes `process_set=` to run among its members only, with ranks,
+sizes and `root_rank` counted within the set. Adding and removing are
+collective over the whole job: every rank calls them, in the same order, with
+the same ranks, members or not.
+"""
+
+import weakref
+
+from keras_ring import _basics
+
+_added = weakref.WeakSet()
+
+
+class ProcessSet:
+    """A set of world ranks that run collectives among themselves.
+
+    Args:
+        ranks: The members' world ranks (any order; each once).
+
+    Example:
+
+    >>> evens = kr.add_process_set(kr.ProcessSet(range(0, kr.size(), 2)))
+    >>> if evens.included():
+    ...     kr.allreduce(x, process_set=evens)
+    """
+
+    def __init__(self, ranks):
+        try:
+            ranks = sorted(int(r) for r in ranks)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"ProcessSet takes a sequence of integer ranks. Received: {ranks!r}"
+            ) from None
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ProcessSet ranks must not repeat. Received: {ranks}")
+        self.ranks = ranks
+        self.process_set_id = None
+
+    def _registered(self, what):
+        if self.process_set_id is None:
+            raise ValueError(
+                f"keras-ring: {what} needs a process set added with add_process_set() "
+                f"(or init(process_sets=...)). Received: {self}"
+            )
+        _basics._require_initialized(what)
+
+    def size(self):
+        """Returns the number of ranks in the set."""
+        self._registered("ProcessSet.size()")
+        return len(self.ranks)
+
+    def rank(self):
+        """Returns this process's rank within the set, or -1 if it is not a member."""
+        self._registered("ProcessSet.rank()")
+        me = _basics.rank()
+        return self.ranks.index(me) if me in self.ranks else -1
+
+    def included(self):
+        """Returns True if this process is a member of the set."""
+        return self.rank() >= 0
+
+    def __repr__(self):
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+class _GlobalProcessSet(ProcessSet):
+    """Every rank of the job; its ranks are known once keras-ring is initialised."""
+
+    def __init__(self):
+        self.process_set_id = 0
+
+    @property
+    def ranks(self):
+        return list(range(_basics.size())) if _basics.is_initialized() else []
+
+
+global_process_set = _GlobalProcessSet()
+
+
+def process_set_id(process_set):
+    """The engine's id for a `process_set=` argument (None means the whole job)."""
+    if process_set is None:
+        return 0
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            "`process_set` must be a keras_ring.ProcessSet (see add_process_set). "
+            f"Received: process_set={process_set!r}"
+        )
+    process_set._registered("a collective with process_set=")
+    return process_set.process_set_id
+
+
+def add_process_set(process_set):
+    """Adds a process set to the running job. Collective over every rank.
+
+    Args:
+        process_set: A `ProcessSet`, or a sequence of world ranks.
+
+    Returns:
+        The `ProcessSet`, now with its `process_set_id`.
+
+    Raises:
+        ValueError: If the set was added already, a rank is out of range, or
+            the ranks disagree on the members (the error names each rank's list).
+
+    Example:
+
+    >>> first_two = kr.add_process_set([0, 1])
+    """
+    _basics._require_initialized("add_process_set()")
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.process_set_id is not None:
+        raise ValueError(f"keras-ring: add_process_set: {process_set} has been added already")
+    process_set.process_set_id = _basics._engine().add_process_set(process_set.ranks)
+    _added.add(process_set)
+    return process_set
+
+
+def remove_process_set(process_set):
+    """Removes a process set added before. Collective over every rank.
+
+    Its pending collectives fail with an error; its id is never reused.
+
+    Args:
+        process_set: The `ProcessSet` to remove.
+
+    Returns:
+        True if it was removed, False if it was not registered.
+
+    Example:
+
+    >>> kr.remove_process_set(first_two)
+    """
+    if isinstance(process_set, _GlobalProcessSet):
+        raise ValueError("keras-ring: the global process set cannot be removed")
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"remove_process_set takes a ProcessSet. Received: {process_set!r}")
+    if process_set.process_set_id is None:
+        return False
+    _basics._require_initialized("remove_process_set()")
+    _basics._engine().remove_process_set(process_set.process_set_id)
+    process_set.process_set_id = None
+    _added.discard(process_set)
+    return True
+
+
+def _forget_all():
+    # shutdown() ends every set; a later init() starts with the global one only.
+    for process_set in list(_added):
+        process_set.process_set_id = None
+    _added.clear()
