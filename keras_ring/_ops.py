@@ -118,7 +118,8 @@ def _dense_input(tensor, api, arg="tensor"):
     if isinstance(tensor, tf.IndexedSlices):
         raise TypeError(
             f"keras_ring.{api} does not support tf.IndexedSlices; convert them with "
-            f"tf.convert_to_tensor first. Received: {arg}={tensor!r}"
+            f"tf.convert_to_tensor first. Received: {arg}=tf.IndexedSlices with values of "
+            f"shape {tensor.values.shape}"
         )
     return _to_tensor(tensor, api)
 
@@ -533,10 +534,17 @@ def grouped_reducescatter(
 
 def _alltoall_splits(splits, tensor):
     """`splits` as an int32 vector, checked as far as it is known before running."""
+    size = _basics.size()
+    rows = tensor.shape[0] if tensor.shape.rank else None
     if splits is None:
+        if rows is not None and rows % size:
+            raise ValueError(
+                "Without `splits`, alltoall splits the first dimension of `tensor` evenly, so "
+                f"it must be divisible by the number of ranks ({size}); it is {rows}. "
+                "Received: splits=None"
+            )
         # Empty: the engine splits the first dimension evenly.
         return tf.zeros([0], tf.int32)
-    size = _basics.size()
     if isinstance(splits, tf.IndexedSlices):
         raise TypeError(f"`splits` must be a vector of integers. Received: splits={splits!r}")
     if not tf.is_tensor(splits):
@@ -560,19 +568,23 @@ def _alltoall_splits(splits, tensor):
     values = tf.get_static_value(splits)
     if values is not None:
         values = [int(v) for v in values]
-        rows = tensor.shape[0] if tensor.shape.rank else None
         if len(values) != size:
             why = f"one entry per rank ({size})"
         elif any(v < 0 for v in values):
             why = "no negative entries"
-        elif rows is not None and sum(values) != rows:
-            why = f"entries that add up to the first dimension of `tensor`, {rows}"
         elif max(values) > tf.int32.max:
             why = f"entries of at most {tf.int32.max}"
+        elif rows is not None and sum(values) != rows:
+            why = f"entries that add up to the first dimension of `tensor`, {rows}"
         else:
             why = None
         if why:
             raise ValueError(f"`splits` must have {why}. Received: splits={values}")
+    elif splits.shape.rank == 1 and splits.shape[0] not in (None, size):
+        raise ValueError(
+            f"`splits` must have one entry per rank ({size}). "
+            f"Received: splits with shape {splits.shape}"
+        )
     return tf.cast(splits, tf.int32)
 
 
