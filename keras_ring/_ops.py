@@ -95,23 +95,26 @@ def _to_tensor(tensor, api):
     return tensor
 
 
+# Its first call may build the library; autograph must not try to convert
+# that (it warns about every os.path function it cannot read the source of).
+@tf.autograph.experimental.do_not_convert
 def _library():
     return _tf_build.load()
 
 
 def _tensor_list(tensors, api):
+    error = f"keras_ring.{api} takes a list of tensors. Received: tensors="
     # A tensor or array is iterable too; taking its rows for the list would
     # run a collective per row instead of failing.
-    if tf.is_tensor(tensors) or hasattr(tensors, "dtype") or isinstance(tensors, (str, bytes)):
-        raise TypeError(
-            f"keras_ring.{api} takes a list of tensors. Received: tensors={tensors!r}"
-        )
+    if tf.is_tensor(tensors) or hasattr(tensors, "dtype"):
+        shape = getattr(tensors, "shape", None)
+        raise TypeError(f"{error}a {type(tensors).__name__} of shape {shape}")
+    if isinstance(tensors, (str, bytes)):
+        raise TypeError(f"{error}{tensors!r}")
     try:
         return list(tensors)
     except TypeError:
-        raise TypeError(
-            f"keras_ring.{api} takes a list of tensors. Received: tensors={tensors!r}"
-        ) from None
+        raise TypeError(f"{error}{tensors!r}") from None
 
 
 def _dense_input(tensor, api, arg="tensor"):
