@@ -2,7 +2,8 @@
 
 The API mirrors `horovod.tensorflow.keras`: `init()`, `rank()`, `size()`,
 collectives on tensors (`allreduce`, `grouped_allreduce`, `allgather`,
-`broadcast`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`.
+`grouped_allgather`, `broadcast`, `reducescatter`, `grouped_reducescatter`,
+`alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`.
 """
 
 import importlib
@@ -42,7 +43,11 @@ _LAZY = {
     "allreduce": "keras_ring._ops",
     "grouped_allreduce": "keras_ring._ops",
     "allgather": "keras_ring._ops",
+    "grouped_allgather": "keras_ring._ops",
     "broadcast": "keras_ring._ops",
+    "reducescatter": "keras_ring._ops",
+    "grouped_reducescatter": "keras_ring._ops",
+    "alltoall": "keras_ring._ops",
     "broadcast_variables": "keras_ring._ops",
     "Compression": "keras_ring._compression",
     "DistributedOptimizer": "keras_ring._optimizer",

@@ -95,8 +95,36 @@ def _to_tensor(tensor, api):
     return tensor
 
 
+# Its first call may build the library; autograph must not try to convert
+# that (it warns about every os.path function it cannot read the source of).
+@tf.autograph.experimental.do_not_convert
 def _library():
     return _tf_build.load()
+
+
+def _tensor_list(tensors, api):
+    error = f"keras_ring.{api} takes a list of tensors. Received: tensors="
+    # A tensor or array is iterable too; taking its rows for the list would
+    # run a collective per row instead of failing.
+    if tf.is_tensor(tensors) or hasattr(tensors, "dtype"):
+        shape = getattr(tensors, "shape", None)
+        raise TypeError(f"{error}a {type(tensors).__name__} of shape {shape}")
+    if isinstance(tensors, (str, bytes)):
+        raise TypeError(f"{error}{tensors!r}")
+    try:
+        return list(tensors)
+    except TypeError:
+        raise TypeError(f"{error}{tensors!r}") from None
+
+
+def _dense_input(tensor, api, arg="tensor"):
+    if isinstance(tensor, tf.IndexedSlices):
+        raise TypeError(
+            f"keras_ring.{api} does not support tf.IndexedSlices; convert them with "
+            f"tf.convert_to_tensor first. Received: {arg}=tf.IndexedSlices with values of "
+            f"shape {tensor.values.shape}"
+        )
+    return _to_tensor(tensor, api)
 
 
 def _allgather(tensor, tensor_name):
@@ -340,6 +368,284 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
     )
 
 
+def grouped_allgather(tensors, name=None, ignore_name_scope=False):
+    """Allgathers a list of tensors as one operation.
+
+    The tensors may have different dtypes. Each one's first dimension may
+    differ between ranks (and be 0); its other dimensions and its dtype must
+    agree with its counterpart on the other ranks.
+
+    Args:
+        tensors: A list of tensors, each of rank 1 or more.
+        name: The name that matches this group across ranks, prefixed by the
+            current name scope; tensor `i` is matched as `<name>.<i>`. By
+            default, the graph node's name.
+        ignore_name_scope: If `True`, `name` is used without the name scope.
+
+    Returns:
+        A list of tensors in the order of `tensors`, each holding every
+        rank's rows of its tensor, in rank order.
+
+    Raises:
+        ValueError: If keras-ring is not initialized or an argument is
+            invalid.
+        TypeError: If `tensors` is not a list or a dtype is not supported.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> keras_ring.grouped_allgather([tf.ones([2, 3]), tf.range(keras_ring.rank() + 1)])
+    """
+    _basics._require_initialized("grouped_allgather()")
+    tensor_name = _tensor_name(name, ignore_name_scope)
+    tensors = [
+        _to_tensor(t, "grouped_allgather") for t in _tensor_list(tensors, "grouped_allgather")
+    ]
+    if not tensors:
+        return []
+    return list(_library().keras_ring_grouped_allgather(tensors, tensor_name=tensor_name))
+
+
+def reducescatter(
+    tensor,
+    device_dense="",
+    compression=None,
+    op=Average,
+    name=None,
+    ignore_name_scope=False,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
+    """Reduces a tensor over all ranks; each rank receives its rows of the result.
+
+    The tensor must have the same shape and dtype on every rank. The result
+    is split along the first dimension as evenly as possible, in rank order:
+    with `d` rows, the first `d % size()` ranks get `d // size() + 1` rows
+    and the others `d // size()` (Horovod's split).
+
+    Args:
+        tensor: The tensor to reduce, of rank 1 or more.
+        device_dense: Device on which to reduce the tensor.
+        compression: Must be `None`; compression is not supported yet.
+        op: `keras_ring.Average` (the default), `Sum`, `Min`, `Max` or
+            `Product`.
+        name: The name that matches this collective across ranks, prefixed
+            by the current name scope. By default, the graph node's name.
+        ignore_name_scope: If `True`, `name` is used without the name scope.
+        prescale_factor: Multiplies each rank's input before the reduction.
+        postscale_factor: Multiplies the result after the reduction.
+
+    Returns:
+        This rank's rows of the reduction: the shape of `tensor` but for the
+        first dimension, and its dtype.
+
+    Raises:
+        ValueError: If keras-ring is not initialized or an argument is
+            invalid.
+        TypeError: If the dtype is not supported or `tensor` is a
+            `tf.IndexedSlices`.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> keras_ring.reducescatter(tf.ones([2 * keras_ring.size(), 3]), op=keras_ring.Sum)
+    """
+    _basics._require_initialized("reducescatter()")
+    op, prescale_factor, postscale_factor = _reduce_args(
+        op, None, compression, prescale_factor, postscale_factor
+    )
+    tensor_name = _tensor_name(name, ignore_name_scope)
+    with tf.device(device_dense):
+        return _library().keras_ring_reducescatter(
+            _dense_input(tensor, "reducescatter"),
+            reduce_op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            tensor_name=tensor_name,
+        )
+
+
+def grouped_reducescatter(
+    tensors,
+    device_dense="",
+    compression=None,
+    op=Average,
+    name=None,
+    ignore_name_scope=False,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
+    """Reducescatters a list of tensors as one operation.
+
+    The tensors may have different dtypes; each must agree in shape and dtype
+    with its counterpart on the other ranks, and is split along its first
+    dimension as in `reducescatter`.
+
+    Args:
+        tensors: A list of tensors, each of rank 1 or more.
+        device_dense: Device on which to reduce the tensors.
+        compression: Must be `None`; compression is not supported yet.
+        op: `keras_ring.Average` (the default), `Sum`, `Min`, `Max` or
+            `Product`.
+        name: The name that matches this group across ranks, prefixed by the
+            current name scope; tensor `i` is matched as `<name>.<i>`. By
+            default, the graph node's name.
+        ignore_name_scope: If `True`, `name` is used without the name scope.
+        prescale_factor: Multiplies each rank's inputs before the reduction.
+        postscale_factor: Multiplies the results after the reduction.
+
+    Returns:
+        A list of this rank's rows of each reduction, in the order of
+        `tensors`.
+
+    Raises:
+        ValueError: If keras-ring is not initialized or an argument is
+            invalid.
+        TypeError: If `tensors` is not a list, a dtype is not supported or a
+            tensor is a `tf.IndexedSlices`.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> n = keras_ring.size()
+    >>> keras_ring.grouped_reducescatter([tf.ones([n, 2]), tf.ones([2 * n], tf.int32)])
+    """
+    _basics._require_initialized("grouped_reducescatter()")
+    op, prescale_factor, postscale_factor = _reduce_args(
+        op, None, compression, prescale_factor, postscale_factor
+    )
+    tensor_name = _tensor_name(name, ignore_name_scope)
+    tensors = _tensor_list(tensors, "grouped_reducescatter")
+    with tf.device(device_dense):
+        # Converted before the collective starts, so a bad input fails alone.
+        inputs = [
+            _dense_input(t, "grouped_reducescatter", f"tensors[{i}]")
+            for i, t in enumerate(tensors)
+        ]
+        if not inputs:
+            return []
+        return list(
+            _library().keras_ring_grouped_reducescatter(
+                inputs,
+                reduce_op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+                tensor_name=tensor_name,
+            )
+        )
+
+
+def _alltoall_splits(splits, tensor):
+    """`splits` as an int32 vector, checked as far as it is known before running."""
+    size = _basics.size()
+    rows = tensor.shape[0] if tensor.shape.rank else None
+    if splits is None:
+        if rows is not None and rows % size:
+            raise ValueError(
+                "Without `splits`, alltoall splits the first dimension of `tensor` evenly, so "
+                f"it must be divisible by the number of ranks ({size}); it is {rows}. "
+                "Received: splits=None"
+            )
+        # Empty: the engine splits the first dimension evenly.
+        return tf.zeros([0], tf.int32)
+    if isinstance(splits, tf.IndexedSlices):
+        raise TypeError(f"`splits` must be a vector of integers. Received: splits={splits!r}")
+    if not tf.is_tensor(splits):
+        try:
+            splits = tf.convert_to_tensor(splits)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"`splits` must be a vector of integers. Received: splits={splits!r}"
+            ) from None
+        if splits.shape == [0]:
+            splits = tf.zeros([0], tf.int32)  # [] converts to float32
+    if not splits.dtype.is_integer:
+        raise TypeError(
+            "`splits` must be a vector of integers. "
+            f"Received: splits with dtype={splits.dtype.name}"
+        )
+    if splits.shape.rank is not None and splits.shape.rank != 1:
+        raise ValueError(
+            f"`splits` must be a vector (rank 1). Received: splits with shape {splits.shape}"
+        )
+    values = tf.get_static_value(splits)
+    if values is not None:
+        values = [int(v) for v in values]
+        if len(values) != size:
+            why = f"one entry per rank ({size})"
+        elif any(v < 0 for v in values):
+            why = "no negative entries"
+        elif max(values) > tf.int32.max:
+            why = f"entries of at most {tf.int32.max}"
+        elif rows is not None and sum(values) != rows:
+            why = f"entries that add up to the first dimension of `tensor`, {rows}"
+        else:
+            why = None
+        if why:
+            raise ValueError(f"`splits` must have {why}. Received: splits={values}")
+    elif splits.shape.rank == 1 and splits.shape[0] not in (None, size):
+        raise ValueError(
+            f"`splits` must have one entry per rank ({size}). "
+            f"Received: splits with shape {splits.shape}"
+        )
+    return tf.cast(splits, tf.int32)
+
+
+def _alltoall(tensor, splits, tensor_name):
+    output, received_splits = _library().keras_ring_alltoall(
+        tensor, splits, tensor_name=tensor_name
+    )
+    received_splits.set_shape([_basics.size()])
+    return output, received_splits
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
+    """Sends rows of the tensor to every rank and receives rows from every rank.
+
+    This rank sends its first `splits[0]` rows to rank 0, the next
+    `splits[1]` to rank 1, and so on; every rank concatenates the rows it
+    receives in rank order. The first dimension may differ between ranks;
+    the other dimensions and the dtype must agree.
+
+    As in Horovod (0.21 and later), the received splits are returned only
+    when `splits` is given.
+
+    Args:
+        tensor: A tensor of rank 1 or more.
+        splits: A vector of integers (a list, an array or an integer
+            tensor), one per rank, adding up to the first dimension of
+            `tensor`: the rows for each rank. `None` splits the first
+            dimension evenly; it must then be divisible by `size()`.
+        name: The name that matches this collective across ranks, prefixed
+            by the current name scope. By default, the graph node's name.
+        ignore_name_scope: If `True`, `name` is used without the name scope.
+
+    Returns:
+        With `splits`, a tuple `(output, received_splits)`: the rows received
+        from every rank in rank order, and an int32 vector of how many came
+        from each rank. Without `splits`, only `output`.
+
+    Raises:
+        ValueError: If keras-ring is not initialized or an argument is
+            invalid (as far as it is known before running; wrong splits
+            computed inside a `tf.function` fail when it runs, naming the
+            tensor).
+        TypeError: If the dtype is not supported, `tensor` is a
+            `tf.IndexedSlices` or `splits` does not hold integers.
+
+    Example:
+
+    >>> keras_ring.init()
+    >>> n = keras_ring.size()
+    >>> output, received = keras_ring.alltoall(tf.range(2 * n), splits=[2] * n)
+    """
+    _basics._require_initialized("alltoall()")
+    tensor_name = _tensor_name(name, ignore_name_scope)
+    tensor = _dense_input(tensor, "alltoall")
+    output, received_splits = _alltoall(tensor, _alltoall_splits(splits, tensor), tensor_name)
+    return output if splits is None else (output, received_splits)
+
+
 def broadcast_variables(variables, root_rank, name="keras_ring.broadcast_variables"):
     """Assigns every variable the value it has on `root_rank`.
 
@@ -414,3 +720,79 @@ def _broadcast_grad(op, grad):
     if _basics.rank() == op.get_attr("root_rank"):
         return reduced
     return tf.zeros_like(reduced)
+
+
+def _scale(tensor, factor):
+    # In float64, as the kernels scale.
+    if factor == 1.0:
+        return tensor
+    return tf.cast(tf.cast(tensor, tf.float64) * factor, tensor.dtype)
+
+
+def _differentiable(op, grads):
+    """The indices of `op`'s floating-point outputs and their gradients.
+
+    Which outputs take part depends only on dtypes, which agree across ranks,
+    so every rank runs the same collectives even where its loss ignores an
+    output: a missing gradient becomes zeros.
+    """
+    indices, values = [], []
+    for i, (output, grad) in enumerate(zip(op.outputs, grads)):
+        if not output.dtype.is_floating:
+            continue
+        grad = tf.zeros_like(output) if grad is None else tf.convert_to_tensor(grad)
+        indices.append(i)
+        values.append(tf.cast(grad, output.dtype))
+    return indices, values
+
+
+def _reducescatter_gradient_scale(op, api):
+    reduction = _gradient_reduction(op, api)
+    scale = reduction["prescale_factor"] * reduction["postscale_factor"]
+    if reduction["op"] == Average:
+        scale /= _basics.size()
+    return scale
+
+
+@tf.RegisterGradient("KerasRingReducescatter")
+def _reducescatter_grad(op, grad):
+    # Every rank's output rows are a linear map of every rank's input: the
+    # input gradient is every rank's output gradient, gathered in rank order,
+    # times the map's factor.
+    scale = _reducescatter_gradient_scale(op, "reducescatter")
+    return _scale(allgather(tf.convert_to_tensor(grad)), scale)
+
+
+@tf.RegisterGradient("KerasRingGroupedReducescatter")
+def _grouped_reducescatter_grad(op, *grads):
+    scale = _reducescatter_gradient_scale(op, "grouped_reducescatter")
+    indices, values = _differentiable(op, grads)
+    results = [None] * len(grads)
+    for i, g in zip(indices, grouped_allgather(values)):
+        results[i] = _scale(g, scale)
+    return results
+
+
+@tf.RegisterGradient("KerasRingGroupedAllgather")
+def _grouped_allgather_grad(op, *grads):
+    # As _allgather_grad, per tensor; one allgather finds every tensor's offset.
+    indices, values = _differentiable(op, grads)
+    results = [None] * len(grads)
+    if not indices:
+        return results
+    summed = grouped_allreduce(values, op=Sum)
+    rows = tf.stack([tf.shape(op.inputs[i], out_type=tf.int64)[0] for i in indices])
+    offsets = tf.reduce_sum(allgather(rows[tf.newaxis])[: _basics.rank()], axis=0)
+    for k, (i, g) in enumerate(zip(indices, summed)):
+        results[i] = g[offsets[k] : offsets[k] + rows[k]]
+    return results
+
+
+@tf.RegisterGradient("KerasRingAlltoall")
+def _alltoall_grad(op, grad, _received_splits_grad):
+    # Each output row came from one row of one rank's input: the gradient
+    # rows go back the way they came, received_splits[j] of them to rank j.
+    if grad is None:
+        return [None, None]
+    output, _ = _alltoall(tf.convert_to_tensor(grad), op.outputs[1], "")
+    return [output, None]

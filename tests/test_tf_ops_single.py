@@ -144,6 +144,199 @@ def test_broadcast_is_identity(dtype, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_reducescatter_is_identity_for_every_op(dtype, mode):
+    for shape in [(2, 3), (0, 3), (1,), (5,)]:
+        x = sample(dtype, shape)
+        for op in OPS:
+            assert_equal(run(mode, functools.partial(kr.reducescatter, op=op), x), x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_reducescatter_scales(dtype, mode):
+    x = sample(dtype)
+    actual = run(
+        mode,
+        lambda t: kr.reducescatter(t, op=kr.Sum, prescale_factor=0.5, postscale_factor=3.0),
+        x,
+    )
+    if dtype.is_integer:
+        expected = np.trunc(np.trunc(x.numpy() * 0.5) * 3.0).astype(dtype.as_numpy_dtype)
+    else:
+        expected = (x.numpy().astype(np.float64) * 1.5).astype(dtype.as_numpy_dtype)
+    assert_equal(actual, tf.constant(expected))
+
+
+def test_reducescatter_first_dimension_is_unknown_in_graphs():
+    spec = tf.TensorSpec([4, 3], tf.float32)
+    fn = tf.function(kr.reducescatter).get_concrete_function(spec)
+    assert fn.structured_outputs.shape.as_list() == [None, 3]
+    fn = tf.function(lambda t: kr.grouped_reducescatter([t, t[:, 0]])).get_concrete_function(spec)
+    assert [t.shape.as_list() for t in fn.structured_outputs] == [[None, 3], [None]]
+
+
+def test_reducescatter_of_a_scalar_fails():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rank 1 or more"):
+        kr.reducescatter(tf.constant(1.0))
+    with pytest.raises(ValueError, match="rank"):
+        tf.function(kr.reducescatter)(tf.constant(1.0))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_reducescatter_mixed_dtypes(mode):
+    tensors = [sample(dtype, shape=(i, 2)) for i, dtype in enumerate(DTYPES)]
+    for op in OPS:
+        outputs = run(
+            mode,
+            functools.partial(kr.grouped_reducescatter, op=op, postscale_factor=2.0, name="g"),
+            tensors,
+        )
+        assert len(outputs) == len(tensors)
+        for out, x in zip(outputs, tensors):
+            assert_equal(out, x * 2)
+
+
+def test_reducescatter_rejects_indexed_slices():
+    slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]))
+    with pytest.raises(TypeError, match=r"Received: tensor=tf.IndexedSlices .* shape \(1, 2\)"):
+        kr.reducescatter(slices)
+    with pytest.raises(TypeError, match=r"Received: tensors\[1\]=tf.IndexedSlices"):
+        kr.grouped_reducescatter([tf.ones([2]), slices])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allgather_mixed_dtypes(mode):
+    tensors = [sample(dtype, shape=(i, 2)) for i, dtype in enumerate(DTYPES)]
+    outputs = run(mode, functools.partial(kr.grouped_allgather, name="g"), tensors)
+    assert len(outputs) == len(tensors)
+    for out, x in zip(outputs, tensors):
+        assert_equal(out, x)
+
+
+def test_grouped_allgather_first_dimensions_are_unknown_in_graphs():
+    fn = tf.function(lambda a, b: kr.grouped_allgather([a, b])).get_concrete_function(
+        tf.TensorSpec([4, 3], tf.float32), tf.TensorSpec([2], tf.int64)
+    )
+    assert [t.shape.as_list() for t in fn.structured_outputs] == [[None, 3], [None]]
+
+
+@pytest.mark.parametrize("fn", [kr.grouped_allgather, kr.grouped_reducescatter])
+def test_grouped_of_nothing(fn):
+    assert fn([]) == []
+    assert fn(()) == []
+
+
+@pytest.mark.parametrize("fn", [kr.grouped_allgather, kr.grouped_reducescatter])
+@pytest.mark.parametrize("tensors", [tf.ones([2, 2]), np.ones(2), 3, "ab"], ids=repr)
+def test_grouped_needs_a_list(fn, tensors):
+    with pytest.raises(TypeError, match="list of tensors. Received: tensors="):
+        fn(tensors)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_alltoall_is_identity(dtype, mode):
+    for shape in [(2, 3), (0, 3), (5,)]:
+        x = sample(dtype, shape)
+        # Without splits only the output is returned, as in Horovod.
+        assert_equal(run(mode, kr.alltoall, x), x)
+        out, received = run(mode, lambda t: kr.alltoall(t, splits=[shape[0]]), x)
+        assert_equal(out, x)
+        assert_equal(received, tf.constant([shape[0]], tf.int32))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "splits",
+    [[4], (4,), np.array([4], np.int64), tf.constant([4]), tf.constant([4], tf.int64)],
+    ids=["list", "tuple", "numpy", "int32", "int64"],
+)
+def test_alltoall_splits_forms(splits, mode):
+    x = tf.reshape(tf.range(8.0), [4, 2])
+    out, received = run(mode, lambda t: kr.alltoall(t, splits=splits), x)
+    assert_equal(out, x)
+    assert_equal(received, tf.constant([4], tf.int32))
+
+
+def test_alltoall_shapes_in_graphs():
+    def fn(t, s):
+        return kr.alltoall(t, splits=s)
+
+    out, received = tf.function(fn).get_concrete_function(
+        tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([None], tf.int32)
+    ).structured_outputs
+    assert out.shape.as_list() == [None, 3]
+    assert received.shape.as_list() == [1]
+    # The op alone knows the number of ranks only from the splits' length.
+    library = _ops._library()
+    received = tf.function(lambda t, s: library.keras_ring_alltoall(t, s)[1]).get_concrete_function(
+        tf.TensorSpec([4], tf.float32), tf.TensorSpec([None], tf.int32)
+    ).structured_outputs
+    assert received.shape.as_list() == [None]
+
+
+def test_alltoall_with_splits_computed_in_a_graph():
+    @tf.function
+    def fn(t):
+        return kr.alltoall(t, splits=tf.shape(t)[:1])
+
+    out, received = fn(tf.ones([3, 2]))
+    assert_equal(out, tf.ones([3, 2]))
+    assert_equal(received, tf.constant([3], tf.int32))
+
+
+@pytest.mark.parametrize(
+    "splits, error, match",
+    [
+        ([], ValueError, r"one entry per rank \(1\). Received: splits=\[\]"),
+        ([2, 2], ValueError, r"one entry per rank \(1\). Received: splits=\[2, 2\]"),
+        ([-4], ValueError, r"no negative entries. Received: splits=\[-4\]"),
+        ([3], ValueError, r"add up to the first dimension of `tensor`, 4. Received: splits=\[3\]"),
+        ([[4]], ValueError, r"vector \(rank 1\). Received: splits with shape \(1, 1\)"),
+        (4, ValueError, r"vector \(rank 1\). Received: splits with shape \(\)"),
+        ([4.0], TypeError, "integers. Received: splits with dtype=float32"),
+        ([True], TypeError, "integers. Received: splits with dtype=bool"),
+        ("4", TypeError, "integers. Received: splits with dtype=string"),
+        ([2**40], ValueError, r"at most 2147483647. Received: splits=\[1099511627776\]"),
+    ],
+)
+def test_alltoall_splits_errors(splits, error, match):
+    with pytest.raises(error, match=match):
+        kr.alltoall(tf.ones([4, 2]), splits=splits)
+    with pytest.raises(error, match=match):
+        tf.function(lambda t: kr.alltoall(t, splits=splits))(tf.ones([4, 2]))
+
+
+def test_alltoall_splits_of_a_known_length_are_checked_when_tracing():
+    fn = tf.function(lambda t, s: kr.alltoall(t, splits=s))
+    with pytest.raises(ValueError, match=r"one entry per rank \(1\). .* shape \(2,\)"):
+        fn.get_concrete_function(tf.TensorSpec([4]), tf.TensorSpec([2], tf.int32))
+
+
+def test_alltoall_splits_known_only_when_running_are_checked_by_the_engine():
+    fn = tf.function(
+        lambda t, s: kr.alltoall(t, splits=s, name="a2a.bad"),
+        input_signature=[tf.TensorSpec([4, 2]), tf.TensorSpec(None, tf.int32)],
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        fn(tf.ones([4, 2]), tf.constant([3]))
+    assert "'a2a.bad'" in info.value.message
+    assert "splits must add up to the first dimension" in info.value.message
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        fn(tf.ones([4, 2]), tf.constant([[4]]))
+    assert "'a2a.bad'" in info.value.message and "splits must be a vector" in info.value.message
+    assert_equal(fn(tf.ones([4, 2]), tf.constant([4]))[0], tf.ones([4, 2]))
+
+
+def test_alltoall_of_a_scalar_fails():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rank 1 or more"):
+        kr.alltoall(tf.constant(1.0))
+    with pytest.raises(ValueError, match="rank"):
+        tf.function(kr.alltoall)(tf.constant(1.0))
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("op", [kr.Average, kr.Sum])
 def test_allreduce_of_indexed_slices_gathers(op, mode):
     def fn(values, indices):
@@ -191,6 +384,45 @@ def test_gradients(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_new_collective_gradients(mode):
+    x = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    w = tf.constant([[0.5, -1.0], [2.0, 3.0], [-4.0, 0.25]])
+
+    def scaled(t):
+        return kr.reducescatter(t, op=kr.Sum, prescale_factor=2.0, postscale_factor=3.0)
+
+    def grouped_scaled(t):
+        return kr.grouped_reducescatter([t, t], op=kr.Average, postscale_factor=0.5)[1]
+
+    assert_equal(gradient(mode, scaled, x, w), w * 6)
+    assert_equal(gradient(mode, kr.reducescatter, x, w), w)
+    assert_equal(gradient(mode, grouped_scaled, x, w), w * 0.5)
+    assert_equal(gradient(mode, lambda t: kr.grouped_allgather([t, t])[0], x, w), w)
+    assert_equal(gradient(mode, kr.alltoall, x, w), w)
+    assert_equal(gradient(mode, lambda t: kr.alltoall(t, splits=[3])[0], x, w), w)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_gradients_of_new_collectives_skip_integer_outputs(mode):
+    def compute(a, b, n):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            ya, yn, yb = kr.grouped_reducescatter([a, n, b], op=kr.Sum, postscale_factor=2.0)
+            za, zn, zb = kr.grouped_allgather([a, n, b])
+            loss = (
+                tf.reduce_sum(ya)
+                + tf.reduce_sum(zb * 3.0)
+                + tf.cast(tf.reduce_sum(yn) + tf.reduce_sum(zn), tf.float64)
+            )
+        return tape.gradient(loss, [a, b])
+
+    a, b = tf.constant([1.0, 2.0], tf.float64), tf.constant([[3.0], [4.0]], tf.float64)
+    grad_a, grad_b = run(mode, compute, a, b, tf.constant([5, 6]))
+    assert_equal(grad_a, tf.constant([2.0, 2.0], tf.float64))
+    assert_equal(grad_b, tf.fill([2, 1], tf.constant(3.0, tf.float64)))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_grouped_gradients_skip_integer_outputs(mode):
     def compute(a, b, n):
         with tf.GradientTape() as tape:
@@ -227,6 +459,10 @@ def test_gradient_of_nonlinear_ops_is_undefined(op):
         gradient("eager", lambda t: kr.allreduce(t, op=op), x, x)
     with pytest.raises(LookupError, match="No gradient"):
         gradient("eager", lambda t: kr.grouped_allreduce([t], op=op)[0], x, x)
+    with pytest.raises(LookupError, match="No gradient.*reducescatter"):
+        gradient("eager", lambda t: kr.reducescatter(t, op=op), x, x)
+    with pytest.raises(LookupError, match="No gradient.*grouped_reducescatter"):
+        gradient("eager", lambda t: kr.grouped_reducescatter([t], op=op)[0], x, x)
 
 
 def test_names():
@@ -241,6 +477,10 @@ def test_names():
                 kr.grouped_allreduce([x, x], name="a.group"),
                 kr.allgather(x, name="b"),
                 kr.broadcast(x, 0, name="c"),
+                kr.grouped_allgather([x], name="d"),
+                kr.reducescatter(x, name="e"),
+                kr.grouped_reducescatter([x], name="f", ignore_name_scope=True),
+                kr.alltoall(x, name="g"),
             )
 
     graph = fn.get_concrete_function(x).graph
@@ -253,12 +493,17 @@ def test_names():
         ("KerasRingAllgather", "scope/b"),
         ("KerasRingAllreduce", "a"),
         ("KerasRingAllreduce", "scope/a"),
+        ("KerasRingAlltoall", "scope/g"),
         ("KerasRingBroadcast", "scope/c"),
+        ("KerasRingGroupedAllgather", "scope/d"),
         ("KerasRingGroupedAllreduce", "scope/a.group"),
+        ("KerasRingGroupedReducescatter", "f"),
+        ("KerasRingReducescatter", "scope/e"),
     ]
     fn(x)
     with tf.name_scope("eager"):
         assert_equal(kr.allreduce(x, name="a"), x)
+        assert_equal(kr.alltoall(x, name="a"), x)
 
 
 def test_average_is_a_deprecated_alias():
@@ -285,6 +530,11 @@ def test_reduce_argument_errors(kwargs, match):
     for fn in (kr.allreduce, lambda t, **kw: kr.grouped_allreduce([t], **kw)):
         with pytest.raises(ValueError, match=match):
             fn(tf.ones([2]), **kwargs)
+    if "average" in kwargs:
+        return  # reducescatter has no `average`, as in Horovod
+    for fn in (kr.reducescatter, lambda t, **kw: kr.grouped_reducescatter([t], **kw)):
+        with pytest.raises(ValueError, match=match):
+            fn(tf.ones([2]), **kwargs)
 
 
 @pytest.mark.parametrize("root_rank", [1, -1, 0.0, True, "0"])
@@ -294,8 +544,15 @@ def test_broadcast_root_rank_errors(root_rank):
 
 
 def test_name_must_be_a_string():
-    with pytest.raises(TypeError, match="Received: name=3"):
-        kr.allreduce(tf.ones([2]), name=3)
+    for call in [
+        lambda: kr.allreduce(tf.ones([2]), name=3),
+        lambda: kr.reducescatter(tf.ones([2]), name=3),
+        lambda: kr.grouped_reducescatter([tf.ones([2])], name=3),
+        lambda: kr.grouped_allgather([tf.ones([2])], name=3),
+        lambda: kr.alltoall(tf.ones([2]), name=3),
+    ]:
+        with pytest.raises(TypeError, match="Received: name=3"):
+            call()
 
 
 @pytest.mark.parametrize(
@@ -308,6 +565,10 @@ def test_unsupported_dtypes(value):
         lambda t: kr.grouped_allreduce([tf.ones([1]), t]),
         lambda t: kr.allgather(t),
         lambda t: kr.broadcast(t, 0),
+        lambda t: kr.grouped_allgather([tf.ones([1]), t]),
+        lambda t: kr.reducescatter(t),
+        lambda t: kr.grouped_reducescatter([tf.ones([1]), t]),
+        lambda t: kr.alltoall(t),
     ]
     for call in calls:
         with pytest.raises(TypeError, match=f"dtype {dtype}"):
@@ -382,6 +643,10 @@ def test_errors_when_not_initialized():
             lambda: kr.grouped_allreduce([x]),
             lambda: kr.allgather(x),
             lambda: kr.broadcast(x, 0),
+            lambda: kr.grouped_allgather([x]),
+            lambda: kr.reducescatter(x),
+            lambda: kr.grouped_reducescatter([x]),
+            lambda: kr.alltoall(x),
         ]:
             with pytest.raises(ValueError, match="init\\(\\)"):
                 call()

@@ -2,6 +2,7 @@
 // into engine requests (c_api.h) and finish the op from the engine's
 // completion callback. No collective logic lives here.
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -11,6 +12,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/tensor_types.h"
 #include "tensorflow/core/framework/types.h"
 
 namespace keras_ring {
@@ -73,11 +75,14 @@ absl::Status EngineDtype(::tensorflow::DataType dtype, kr_dtype* out) {
   }
 }
 
-// A request and the storage that its name and shape pointers refer to; the
-// pointers are set just before kr_enqueue, which copies both.
+// A request and the storage that its name, shape and splits pointers refer
+// to; the pointers are set just before kr_enqueue, which copies all three.
 struct Request {
   std::string name;
   std::vector<int64_t> shape;
+  std::vector<int64_t> splits;  // alltoall
+  // Alltoall: the output that receives the rows received from each rank.
+  int received_splits_output = -1;
   kr_request fields{};
 };
 
@@ -95,10 +100,20 @@ class PendingOp {
   }
 
   // Routes request i's callbacks to this object; output i is its result.
-  void Bind(int i, kr_request* request) {
-    request->ctx = &slots_[i];
+  // With received_splits_output >= 0 (alltoall), that output receives the
+  // engine's received splits as int32 when the request succeeds.
+  void Bind(int i, kr_request* request, int received_splits_output) {
+    Slot& slot = slots_[i];
+    request->ctx = &slot;
     request->allocate_output = &AllocateOutput;
     request->done = &Done;
+    kr_topology topology;
+    // Without a topology the engine is not initialised and refuses the request.
+    if (received_splits_output >= 0 && kr_get_topology(&topology) == KR_OK) {
+      slot.received_splits.resize(topology.size);
+      slot.received_splits_output = received_splits_output;
+      request->received_splits = slot.received_splits.data();
+    }
   }
 
  private:
@@ -106,6 +121,25 @@ class PendingOp {
     PendingOp* op = nullptr;
     int output_index = 0;
     absl::Status allocation;  // why allocate_output failed, if it did
+    std::vector<int64_t> received_splits;  // alltoall: filled by the engine
+    int received_splits_output = -1;
+
+    absl::Status OutputReceivedSplits() {
+      Tensor* output = nullptr;
+      const int64_t n = static_cast<int64_t>(received_splits.size());
+      TF_RETURN_IF_ERROR(
+          op->ctx_->allocate_output(received_splits_output, TensorShape({n}), &output));
+      auto out = output->vec<int32_t>();
+      for (int64_t i = 0; i < n; ++i) {
+        if (received_splits[i] > std::numeric_limits<int32_t>::max()) {
+          return absl::OutOfRangeError(
+              "keras-ring: alltoall received " + std::to_string(received_splits[i]) +
+              " rows from rank " + std::to_string(i) + ", more than received_splits (int32) holds");
+        }
+        out(i) = static_cast<int32_t>(received_splits[i]);
+      }
+      return absl::OkStatus();
+    }
   };
 
   static void* AllocateOutput(void* ctx, int ndim, const int64_t* shape) {
@@ -127,8 +161,10 @@ class PendingOp {
   static void Done(void* ctx, kr_status status, const char* message) {
     Slot* slot = static_cast<Slot*>(ctx);
     // A failed allocation says more than the engine's report of it.
-    slot->op->Complete(slot->allocation.ok() ? EngineStatus(status, message)
-                                             : slot->allocation);
+    absl::Status result =
+        slot->allocation.ok() ? EngineStatus(status, message) : slot->allocation;
+    if (result.ok() && slot->received_splits_output >= 0) result = slot->OutputReceivedSplits();
+    slot->op->Complete(std::move(result));
   }
 
   void Complete(absl::Status status) {
@@ -152,7 +188,7 @@ class PendingOp {
   absl::Status status_;  // the first error
 };
 
-// What the four kernels share: the request name and the engine submission.
+// What the kernels share: the request name and the engine submission.
 class CollectiveKernel : public AsyncOpKernel {
  public:
   explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
@@ -163,7 +199,8 @@ class CollectiveKernel : public AsyncOpKernel {
 
  protected:
   // Describes input `index` of `ctx` to the engine; output may be null
-  // (allgather), in which case the engine asks for it via allocate_output.
+  // (allgather, reducescatter, alltoall), in which case the engine asks for
+  // it via allocate_output.
   absl::Status NewRequest(OpKernelContext* ctx, int index, std::string name,
                           kr_collective collective, Tensor* output, Request* out) const {
     const Tensor& input = ctx->input(index);
@@ -191,9 +228,11 @@ class CollectiveKernel : public AsyncOpKernel {
       r.name = requests[i].name.c_str();
       r.ndim = static_cast<int>(requests[i].shape.size());
       r.shape = requests[i].shape.data();
+      r.splits = requests[i].splits.data();
+      r.nsplits = static_cast<int>(requests[i].splits.size());
       // Until request i is enqueued, at least one request is incomplete, so
       // `pending` is alive; after the last kr_enqueue it may be gone.
-      pending->Bind(static_cast<int>(i), &r);
+      pending->Bind(static_cast<int>(i), &r, requests[i].received_splits_output);
       // A refused request is completed through done, so the result adds nothing.
       (void)kr_enqueue(&r);
     }
@@ -202,16 +241,40 @@ class CollectiveKernel : public AsyncOpKernel {
   std::string name_;
 };
 
-// KerasRingAllreduce, and KerasRingGroupedAllreduce whose tensor i is named
-// `<name>.<i>`.
-class AllreduceOp : public CollectiveKernel {
+// The name of request i of a kernel that serves a single and a grouped op
+// (`<name>.<i>` for the grouped one).
+std::string TensorName(const std::string& name, bool grouped, int i) {
+  return grouped ? name + "." + std::to_string(i) : name;
+}
+
+// What allreduce and reducescatter share: the reduction attrs.
+class ReductionKernel : public CollectiveKernel {
  public:
-  explicit AllreduceOp(OpKernelConstruction* c)
-      : CollectiveKernel(c), grouped_(type_string() == "KerasRingGroupedAllreduce") {
+  explicit ReductionKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
     OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_factor_));
     OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_factor_));
   }
+
+ protected:
+  void SetReduction(kr_request* r) const {
+    r->reduce_op = static_cast<kr_reduce_op>(reduce_op_);
+    r->prescale_factor = prescale_factor_;
+    r->postscale_factor = postscale_factor_;
+  }
+
+ private:
+  int reduce_op_ = KR_AVERAGE;
+  float prescale_factor_ = 1.0f;
+  float postscale_factor_ = 1.0f;
+};
+
+// KerasRingAllreduce, and KerasRingGroupedAllreduce whose tensor i is named
+// `<name>.<i>`.
+class AllreduceOp : public ReductionKernel {
+ public:
+  explicit AllreduceOp(OpKernelConstruction* c)
+      : ReductionKernel(c), grouped_(type_string() == "KerasRingGroupedAllreduce") {}
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     std::vector<Request> requests(ctx->num_inputs());
@@ -220,32 +283,87 @@ class AllreduceOp : public CollectiveKernel {
       OP_REQUIRES_OK_ASYNC(
           ctx, ctx->forward_input_or_allocate_output({i}, i, ctx->input(i).shape(), &output),
           done);
-      std::string name = grouped_ ? name_ + "." + std::to_string(i) : name_;
-      OP_REQUIRES_OK_ASYNC(
-          ctx, NewRequest(ctx, i, std::move(name), KR_ALLREDUCE, output, &requests[i]), done);
-      kr_request& r = requests[i].fields;
-      r.reduce_op = static_cast<kr_reduce_op>(reduce_op_);
-      r.prescale_factor = prescale_factor_;
-      r.postscale_factor = postscale_factor_;
+      OP_REQUIRES_OK_ASYNC(ctx,
+                           NewRequest(ctx, i, TensorName(name_, grouped_, i), KR_ALLREDUCE,
+                                      output, &requests[i]),
+                           done);
+      SetReduction(&requests[i].fields);
     }
     Submit(ctx, std::move(done), std::move(requests));
   }
 
  private:
   const bool grouped_;
-  int reduce_op_ = KR_AVERAGE;
-  float prescale_factor_ = 1.0f;
-  float postscale_factor_ = 1.0f;
 };
 
+// KerasRingReducescatter, and KerasRingGroupedReducescatter whose tensor i is
+// named `<name>.<i>`. The engine allocates each output once it has split the
+// first dimension.
+class ReducescatterOp : public ReductionKernel {
+ public:
+  explicit ReducescatterOp(OpKernelConstruction* c)
+      : ReductionKernel(c), grouped_(type_string() == "KerasRingGroupedReducescatter") {}
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    std::vector<Request> requests(ctx->num_inputs());
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      OP_REQUIRES_OK_ASYNC(ctx,
+                           NewRequest(ctx, i, TensorName(name_, grouped_, i), KR_REDUCESCATTER,
+                                      nullptr, &requests[i]),
+                           done);
+      SetReduction(&requests[i].fields);
+    }
+    Submit(ctx, std::move(done), std::move(requests));
+  }
+
+ private:
+  const bool grouped_;
+};
+
+// KerasRingAllgather, and KerasRingGroupedAllgather whose tensor i is named
+// `<name>.<i>`.
 class AllgatherOp : public CollectiveKernel {
+ public:
+  explicit AllgatherOp(OpKernelConstruction* c)
+      : CollectiveKernel(c), grouped_(type_string() == "KerasRingGroupedAllgather") {}
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    std::vector<Request> requests(ctx->num_inputs());
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      OP_REQUIRES_OK_ASYNC(ctx,
+                           NewRequest(ctx, i, TensorName(name_, grouped_, i), KR_ALLGATHER,
+                                      nullptr, &requests[i]),
+                           done);
+    }
+    Submit(ctx, std::move(done), std::move(requests));
+  }
+
+ private:
+  const bool grouped_;
+};
+
+// KerasRingAlltoall: output 0 comes from the engine's allocate_output, output
+// 1 (received_splits) from the rows the engine reports.
+class AlltoallOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& splits = ctx->input(1);
+    OP_REQUIRES_ASYNC(ctx, ::tensorflow::TensorShapeUtils::IsVector(splits.shape()),
+                      absl::InvalidArgumentError(
+                          "keras-ring: alltoall splits must be a vector; received splits of "
+                          "shape " + splits.shape().DebugString() + " for tensor '" + name_ +
+                          "'"),
+                      done);
     std::vector<Request> requests(1);
-    OP_REQUIRES_OK_ASYNC(ctx, NewRequest(ctx, 0, name_, KR_ALLGATHER, nullptr, &requests[0]),
+    OP_REQUIRES_OK_ASYNC(ctx, NewRequest(ctx, 0, name_, KR_ALLTOALL, nullptr, &requests[0]),
                          done);
+    // The engine checks the values (one per rank, none negative, adding up to
+    // the first dimension) and names the tensor when they are wrong.
+    const auto values = splits.vec<int32_t>();
+    requests[0].splits.assign(values.data(), values.data() + values.size());
+    requests[0].received_splits_output = 1;
     Submit(ctx, std::move(done), std::move(requests));
   }
 };
@@ -275,7 +393,14 @@ class BroadcastOp : public CollectiveKernel {
 REGISTER_KERNEL_BUILDER(Name("KerasRingAllreduce").Device(::tensorflow::DEVICE_CPU), AllreduceOp);
 REGISTER_KERNEL_BUILDER(Name("KerasRingGroupedAllreduce").Device(::tensorflow::DEVICE_CPU),
                         AllreduceOp);
+REGISTER_KERNEL_BUILDER(Name("KerasRingReducescatter").Device(::tensorflow::DEVICE_CPU),
+                        ReducescatterOp);
+REGISTER_KERNEL_BUILDER(Name("KerasRingGroupedReducescatter").Device(::tensorflow::DEVICE_CPU),
+                        ReducescatterOp);
 REGISTER_KERNEL_BUILDER(Name("KerasRingAllgather").Device(::tensorflow::DEVICE_CPU), AllgatherOp);
+REGISTER_KERNEL_BUILDER(Name("KerasRingGroupedAllgather").Device(::tensorflow::DEVICE_CPU),
+                        AllgatherOp);
+REGISTER_KERNEL_BUILDER(Name("KerasRingAlltoall").Device(::tensorflow::DEVICE_CPU), AlltoallOp);
 REGISTER_KERNEL_BUILDER(Name("KerasRingBroadcast").Device(::tensorflow::DEVICE_CPU), BroadcastOp);
 
 }  // namespace

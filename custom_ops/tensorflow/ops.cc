@@ -18,12 +18,29 @@ absl::Status GroupedUnchangedShape(InferenceContext* c) {
   return absl::OkStatus();
 }
 
-absl::Status AllgatherShape(InferenceContext* c) {
-  ShapeHandle output;
+// Output i is input i with its first dimension known only at run time (the
+// sum over ranks for allgather, this rank's share for reducescatter).
+absl::Status FirstDimensionUnknownShape(InferenceContext* c) {
+  for (int i = 0; i < c->num_inputs(); ++i) {
+    ShapeHandle output;
+    TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(i), 1, &output));
+    TF_RETURN_IF_ERROR(c->ReplaceDim(output, 0, c->UnknownDim(), &output));
+    c->set_output(i, output);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AlltoallShape(InferenceContext* c) {
+  ShapeHandle output, splits;
   TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &output));
-  // The first dimension is the sum over ranks, known only at run time.
   TF_RETURN_IF_ERROR(c->ReplaceDim(output, 0, c->UnknownDim(), &output));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
   c->set_output(0, output);
+  // One entry per rank: as many as the splits when they are given; an empty
+  // splits (an even split) says nothing about the number of ranks.
+  const auto length = c->Dim(splits, 0);
+  const bool given = c->ValueKnown(length) && c->Value(length) > 0;
+  c->set_output(1, c->Vector(given ? length : c->UnknownDim()));
   return absl::OkStatus();
 }
 
@@ -84,7 +101,7 @@ REGISTER_OP("KerasRingAllgather")
     .Input("tensor: T")
     .Output("output: T")
     .SetIsStateful()
-    .SetShapeFn(AllgatherShape)
+    .SetShapeFn(FirstDimensionUnknownShape)
     .Doc(R"doc(
 Concatenates the tensors of all ranks along the first dimension, in rank order.
 
@@ -93,6 +110,104 @@ and the dtype must agree.
 
 tensor: This rank's rows; rank at least 1.
 output: Every rank's rows; the first dimension is their sum over ranks.
+tensor_name: The name that matches this request across ranks; empty means the
+  node name.
+)doc");
+
+REGISTER_OP("KerasRingGroupedAllgather")
+    .Attr("T: list({half, bfloat16, float, double, int8, uint8, int32, int64}) >= 1")
+    .Attr("tensor_name: string = ''")
+    .Input("tensors: T")
+    .Output("outputs: T")
+    .SetIsStateful()
+    .SetShapeFn(FirstDimensionUnknownShape)
+    .Doc(R"doc(
+Allgathers a list of tensors, possibly of different dtypes, as one operation.
+
+Tensor i is matched across ranks as `<name>.<i>`; the op finishes when all of
+them have, and reports the first error. Each tensor's first dimension may
+differ between ranks (and be 0); its other dimensions and dtype must agree.
+
+tensors: This rank's rows of each tensor; each of rank at least 1.
+outputs: Every rank's rows of each tensor, in rank order; each first dimension
+  is the sum over ranks.
+tensor_name: The name `<name>` above; empty means the node name.
+)doc");
+
+REGISTER_OP("KerasRingReducescatter")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float")
+    .Attr("postscale_factor: float")
+    .Attr("tensor_name: string = ''")
+    .Input("tensor: T")
+    .Output("output: T")
+    .SetIsStateful()
+    .SetShapeFn(FirstDimensionUnknownShape)
+    .Doc(R"doc(
+Reduces a tensor over all ranks; each rank receives its rows of the result.
+
+The tensor must have the same shape and dtype on every rank. Its first
+dimension d is split as evenly as possible: the first d % size ranks get
+d / size + 1 rows, the others d / size, in rank order.
+
+tensor: This rank's contribution; rank at least 1.
+output: This rank's rows of the reduction over all ranks.
+reduce_op: 0 = Average, 1 = Sum, 3 = Min, 4 = Max, 5 = Product.
+prescale_factor: Multiplies each rank's input before the reduction.
+postscale_factor: Multiplies the result after the reduction.
+tensor_name: The name that matches this request across ranks; empty means the
+  node name.
+)doc");
+
+REGISTER_OP("KerasRingGroupedReducescatter")
+    .Attr("T: list({half, bfloat16, float, double, int8, uint8, int32, int64}) >= 1")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float")
+    .Attr("postscale_factor: float")
+    .Attr("tensor_name: string = ''")
+    .Input("tensors: T")
+    .Output("outputs: T")
+    .SetIsStateful()
+    .SetShapeFn(FirstDimensionUnknownShape)
+    .Doc(R"doc(
+Reducescatters a list of tensors, possibly of different dtypes, as one operation.
+
+Tensor i is matched across ranks as `<name>.<i>`; the op finishes when all of
+them have, and reports the first error. Each tensor is split along its first
+dimension as in KerasRingReducescatter.
+
+tensors: This rank's contributions; each of rank at least 1.
+outputs: This rank's rows of each reduction over all ranks.
+reduce_op: 0 = Average, 1 = Sum, 3 = Min, 4 = Max, 5 = Product.
+prescale_factor: Multiplies each rank's inputs before the reduction.
+postscale_factor: Multiplies the results after the reduction.
+tensor_name: The name `<name>` above; empty means the node name.
+)doc");
+
+REGISTER_OP("KerasRingAlltoall")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
+    .Attr("tensor_name: string = ''")
+    .Input("tensor: T")
+    .Input("splits: int32")
+    .Output("output: T")
+    .Output("received_splits: int32")
+    .SetIsStateful()
+    .SetShapeFn(AlltoallShape)
+    .Doc(R"doc(
+Sends rows of the tensor to every rank and receives rows from every rank.
+
+Rank i sends its first splits[0] rows to rank 0, the next splits[1] to rank 1,
+and so on; every rank concatenates what it receives in rank order. The first
+dimension may differ between ranks; the other dimensions and the dtype must
+agree.
+
+tensor: This rank's rows; rank at least 1.
+splits: The rows for each rank, one entry per rank, adding up to the first
+  dimension; empty to split it evenly (it must then be divisible by the number
+  of ranks).
+output: The rows received from every rank, in rank order.
+received_splits: The rows received from each rank, one entry per rank.
 tensor_name: The name that matches this request across ranks; empty means the
   node name.
 )doc");

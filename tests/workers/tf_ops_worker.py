@@ -30,6 +30,7 @@ tf.config.threading.set_inter_op_parallelism_threads(2)
 tf.get_logger().setLevel("ERROR")
 
 import keras_ring as kr  # noqa: E402
+from keras_ring import _ops  # noqa: E402
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64]
 OPS = {"Average": kr.Average, "Sum": kr.Sum, "Min": kr.Min, "Max": kr.Max, "Product": kr.Product}
@@ -212,6 +213,151 @@ def check_broadcast():
                     check(f"broadcast root={root} {dtype.name} n={n} {mode}", out, xs[root], dtype)
 
 
+def split_bounds(rows):
+    """Reducescatter's split of `rows` rows: the first rows % SIZE ranks get one row more."""
+    return np.cumsum([0] + [rows // SIZE + (r < rows % SIZE) for r in range(SIZE)])
+
+
+def scatter_reference(xs, dtype, op, prescale, postscale):
+    """This rank's rows of the reduction of xs."""
+    bounds = split_bounds(xs[0].shape[0])
+    return reduce_reference(xs, dtype, op, prescale, postscale)[bounds[RANK] : bounds[RANK + 1]]
+
+
+def check_reducescatter():
+    # Rows: none, fewer than the ranks, one each, and two uneven splits.
+    rows = [0, 1, SIZE, 2 * SIZE + 1, 1001]
+    for dtype in DTYPES:
+        for op_name, op in OPS.items():
+            for scaled in (False, True):
+                prescale, postscale = (PRESCALE, POSTSCALE) if scaled else (1.0, 1.0)
+                case = f"reducescatter/{op_name}/{scaled}"
+                shapes = [(n, 3) for n in rows] + [(2 * SIZE + 1, 2, 2)]
+                if dtype in BIG_DTYPES and op_name == "Sum" and not scaled:
+                    shapes.append((BIG // 4, 4))
+                all_inputs = [
+                    [inputs(r, s, dtype, case, scaled) for r in range(SIZE)] for s in shapes
+                ]
+                expected = [
+                    scatter_reference(xs, dtype, op_name, prescale, postscale) for xs in all_inputs
+                ]
+                mine = [tf.constant(xs[RANK]) for xs in all_inputs]
+                reducescatter = functools.partial(
+                    kr.reducescatter, op=op, prescale_factor=prescale, postscale_factor=postscale
+                )
+                for mode in MODES:
+                    outputs = run_each(mode, reducescatter, mine)
+                    for shape, out, exp in zip(shapes, outputs, expected):
+                        check(f"{case} {dtype.name} {shape} {mode}", out, exp, dtype)
+
+
+def check_grouped_reducescatter():
+    for op_name, op in OPS.items():
+        for scaled in (False, True):
+            prescale, postscale = (PRESCALE, POSTSCALE) if scaled else (1.0, 1.0)
+            case = f"grouped_rs/{op_name}/{scaled}"
+            first = [0, 1, SIZE, 2 * SIZE + 1, 7]
+            shapes = [(first[i % len(first)], 2) for i in range(len(DTYPES))]
+            all_inputs = [
+                [inputs(r, s, d, case, scaled) for r in range(SIZE)] for s, d in zip(shapes, DTYPES)
+            ]
+            mine = [tf.constant(xs[RANK]) for xs in all_inputs]
+            grouped = functools.partial(
+                kr.grouped_reducescatter,
+                op=op,
+                prescale_factor=prescale,
+                postscale_factor=postscale,
+                name=f"grouped_rs.{op_name}.{scaled}",
+            )
+            for mode in MODES:
+                outputs = run(mode, grouped, mine)
+                for dtype, xs, out in zip(DTYPES, all_inputs, outputs):
+                    expected = scatter_reference(xs, dtype, op_name, prescale, postscale)
+                    check(f"{case} {dtype.name} {mode}", out, expected, dtype)
+
+
+def check_grouped_allgather():
+    # Tensor i has (i + r) % 3 rows on rank r, or none on rank 1 for odd i.
+    def rows(i, r):
+        return 0 if (i % 2 and r == 1) else (i + r) % 3
+
+    shapes = [lambda n: (n, 2), lambda n: (n,), lambda n: (n, 1, 3)]
+    all_inputs = [
+        [
+            inputs(r, shapes[i % 3](rows(i, r)), dtype, "grouped_ag", False)
+            for r in range(SIZE)
+        ]
+        for i, dtype in enumerate(DTYPES)
+    ]
+    mine = [tf.constant(xs[RANK]) for xs in all_inputs]
+    for mode in MODES:
+        outputs = run(mode, functools.partial(kr.grouped_allgather, name="grouped_ag"), mine)
+        for dtype, xs, out in zip(DTYPES, all_inputs, outputs):
+            check(f"grouped_allgather {dtype.name} {mode}", out, np.concatenate(xs), dtype)
+
+
+def alltoall_splits(rank, case):
+    """Rank `rank`'s splits in `case`: rows for each rank (None: an even split of 3 each)."""
+    return {
+        "even": [2] * SIZE,
+        "uneven": [(rank + 2 * j) % 4 for j in range(SIZE)],
+        "zeros": [0] * SIZE,
+        "one-sender": [5 if rank == 1 else 0 for _ in range(SIZE)],
+        "none": None,
+    }[case]
+
+
+def alltoall_reference(xs, case):
+    """What this rank receives from ranks sending xs, and how many rows from each."""
+    parts, received = [], []
+    for r, x in enumerate(xs):
+        splits = alltoall_splits(r, case) or [3] * SIZE
+        start = sum(splits[:RANK])
+        parts.append(x[start : start + splits[RANK]])
+        received.append(splits[RANK])
+    return np.concatenate(parts), np.array(received, np.int32)
+
+
+def check_alltoall():
+    library = _ops._library()
+    for dtype in DTYPES:
+        for case in ("even", "uneven", "zeros", "one-sender", "none"):
+            def rows(r):
+                splits = alltoall_splits(r, case)
+                return 3 * SIZE if splits is None else sum(splits)
+
+            inner = (2,) if dtype.is_integer else (2, 3)
+            xs = [
+                inputs(r, (rows(r), *inner), dtype, f"alltoall/{case}", False) for r in range(SIZE)
+            ]
+            expected, received = alltoall_reference(xs, case)
+            x, splits = tf.constant(xs[RANK]), alltoall_splits(RANK, case)
+            what = f"alltoall/{case} {dtype.name}"
+            if splits is None:
+                for mode in MODES:
+                    check(f"{what} {mode}", run(mode, kr.alltoall, x), expected, dtype)
+                # The op reports received splits for an even split too.
+                out, got = library.keras_ring_alltoall(x, tf.zeros([0], tf.int32))
+                check(f"{what} op", out, expected, dtype)
+                check(f"{what} op received_splits", got, received, tf.int32)
+                continue
+            # Eagerly with a list; in a graph with splits known only when it runs.
+            out, got = kr.alltoall(x, splits=splits)
+            check(f"{what} eager", out, expected, dtype)
+            check(f"{what} eager received_splits", got, received, tf.int32)
+            fn = tf.function(lambda t, s: kr.alltoall(t, splits=s))
+            out, got = fn(x, tf.constant(splits, tf.int64))
+            check(f"{what} function", out, expected, dtype)
+            check(f"{what} function received_splits", got, received, tf.int32)
+    # Large blocks to every rank.
+    n = BIG // 4 // SIZE
+    xs = [inputs(r, (n * SIZE, 4), tf.float32, "alltoall/big", False) for r in range(SIZE)]
+    expected = np.concatenate([x[RANK * n : (RANK + 1) * n] for x in xs])
+    out, got = kr.alltoall(tf.constant(xs[RANK]), splits=[n] * SIZE)
+    check("alltoall big", out, expected, tf.float32)
+    check("alltoall big received_splits", got, np.full([SIZE], n, np.int32), tf.int32)
+
+
 def gradient(mode, fn, x, upstream):
     """d sum(fn(x) * upstream) / dx on this rank, eagerly or in a tf.function."""
 
@@ -271,15 +417,96 @@ def check_gradients():
             )
 
 
+def check_new_gradients():
+    """Gradients of reducescatter, grouped_allgather and alltoall from their definitions.
+
+    Each rank's loss is sum(output * w) with its own w; the gradient on a rank
+    is that of the sum of all ranks' losses with respect to its input.
+    """
+    d = 2 * SIZE + 1
+    bounds = split_bounds(d)
+    x = tf.constant(inputs(RANK, (d, 3), tf.float32, "grad/rs/x", True))
+    ws = [
+        inputs(r, (bounds[r + 1] - bounds[r], 3), tf.float32, "grad/rs/w", True)
+        for r in range(SIZE)
+    ]
+    w, gathered = tf.constant(ws[RANK]), np.concatenate(ws)
+    # Grouped allgather: rank r has rows[r] rows, rank 1 none.
+    rows = [0 if r == 1 else r + 2 for r in range(SIZE)]
+    offsets = np.cumsum([0] + rows)
+    gx = inputs(RANK, (rows[RANK], 3), tf.float32, "grad/gx", True)
+    gw = [inputs(r, (sum(rows), 3), tf.float32, "grad/gw", True) for r in range(SIZE)]
+    gathered_grad = np.sum(gw, axis=0)[offsets[RANK] : offsets[RANK + 1]]
+    # Alltoall: the gradient rows come back from where this rank's rows went.
+    case = "uneven"
+    ax = [inputs(r, (sum(alltoall_splits(r, case)), 2), tf.float32, "grad/ax", True)
+          for r in range(SIZE)]
+    received = [sum(alltoall_splits(i, case)[j] for i in range(SIZE)) for j in range(SIZE)]
+    aw = [inputs(r, (received[r], 2), tf.float32, "grad/aw", True) for r in range(SIZE)]
+    expected_a2a = []
+    for j, mine in enumerate(alltoall_splits(RANK, case)):
+        start = sum(alltoall_splits(i, case)[j] for i in range(RANK))
+        expected_a2a.append(aw[j][start : start + mine])
+    expected_a2a = np.concatenate(expected_a2a)
+    ex = inputs(RANK, (3 * SIZE, 2), tf.float32, "grad/ex", True)
+    ew = [inputs(r, (3 * SIZE, 2), tf.float32, "grad/ew", True) for r in range(SIZE)]
+    expected_even = np.concatenate([ew[j][3 * RANK : 3 * RANK + 3] for j in range(SIZE)])
+
+    def scaled(t):
+        return kr.reducescatter(t, op=kr.Sum, prescale_factor=2.0, postscale_factor=3.0)
+
+    def grouped_second(t):
+        return kr.grouped_reducescatter(
+            [tf.cast(t, tf.float64), t], op=kr.Average, postscale_factor=0.5
+        )[1]
+
+    for mode in MODES:
+        check(f"grad reducescatter Sum {mode}", gradient(mode, scaled, x, w), gathered * 6,
+              tf.float32)
+        check(f"grad reducescatter Average {mode}", gradient(mode, kr.reducescatter, x, w),
+              gathered / SIZE, tf.float32)
+        check(f"grad grouped_reducescatter {mode}", gradient(mode, grouped_second, x, w),
+              gathered * 0.5 / SIZE, tf.float32)
+        for i in range(2):
+            check(
+                f"grad grouped_allgather output {i} {mode}",
+                gradient(
+                    mode,
+                    lambda t, i=i: kr.grouped_allgather([t, t * 1.0])[i],
+                    tf.constant(gx),
+                    tf.constant(gw[RANK]),
+                ),
+                gathered_grad,
+                tf.float32,
+            )
+        splits = alltoall_splits(RANK, case)
+        check(
+            f"grad alltoall {mode}",
+            gradient(mode, lambda t: kr.alltoall(t, splits=splits)[0], tf.constant(ax[RANK]),
+                     tf.constant(aw[RANK])),
+            expected_a2a,
+            tf.float32,
+        )
+        check(
+            f"grad alltoall without splits {mode}",
+            gradient(mode, kr.alltoall, tf.constant(ex), tf.constant(ew[RANK])),
+            expected_even,
+            tf.float32,
+        )
+
+
 def check_order():
     """Named collectives issued in opposite orders on even and odd ranks."""
     count = 6
     xs = [[inputs(r, 5, tf.float32, f"order/{k}", True) for r in range(SIZE)] for k in range(count)]
+    splits = [5 // SIZE + (j < 5 % SIZE) for j in range(SIZE)]
     functions = [
         tf.function(
             lambda x, k=k: (
                 kr.allreduce(x, op=kr.Sum, name=f"order.reduce.{k}"),
                 kr.allgather(x, name=f"order.gather.{k}"),
+                kr.reducescatter(x, op=kr.Sum, name=f"order.scatter.{k}"),
+                kr.alltoall(x, splits=splits, name=f"order.alltoall.{k}")[0],
             )
         ).get_concrete_function(tf.TensorSpec([5], tf.float32))
         for k in range(count)
@@ -306,10 +533,15 @@ def check_order():
         t.join()
     if errors:
         raise RuntimeError("in an ordering thread:\n" + "\n".join(errors))
+    bounds = np.cumsum([0] + splits)
     for k in range(count):
-        reduced, gathered, broadcast = results[k]
+        reduced, gathered, scattered, exchanged, broadcast = results[k]
         check(f"order allreduce {k}", reduced, np.sum(xs[k], axis=0), tf.float32)
         check(f"order allgather {k}", gathered, np.concatenate(xs[k]), tf.float32)
+        check(f"order reducescatter {k}", scattered,
+              np.sum(xs[k], axis=0)[bounds[RANK] : bounds[RANK + 1]], tf.float32)
+        check(f"order alltoall {k}", exchanged,
+              np.concatenate([x[bounds[RANK] : bounds[RANK + 1]] for x in xs[k]]), tf.float32)
         check(f"order broadcast {k}", broadcast, xs[k][k % SIZE], tf.float32)
 
 
@@ -321,6 +553,27 @@ def check_mismatch_errors():
             tf.zeros([2]), op=kr.Sum if RANK else kr.Max, name="mismatch.op"
         ),
         "mismatch.root": lambda: kr.broadcast(tf.zeros([2]), RANK, name="mismatch.root"),
+        "mismatch.reducescatter": lambda: kr.reducescatter(
+            tf.zeros([SIZE + (RANK == 1), 2]), name="mismatch.reducescatter"
+        ),
+        "mismatch.reducescatter.op": lambda: kr.reducescatter(
+            tf.zeros([SIZE]), op=kr.Sum if RANK else kr.Min, name="mismatch.reducescatter.op"
+        ),
+        # Tensor 1 of the group disagrees; tensor 0 completes (the op reports the error).
+        "mismatch.grouped_rs.1": lambda: kr.grouped_reducescatter(
+            [tf.zeros([2]), tf.zeros([2, 1 + (RANK == 1)])], name="mismatch.grouped_rs"
+        ),
+        "mismatch.grouped_ag.1": lambda: kr.grouped_allgather(
+            [tf.zeros([RANK]), tf.zeros([1], tf.float32 if RANK else tf.float64)],
+            name="mismatch.grouped_ag",
+        ),
+        "mismatch.alltoall": lambda: kr.alltoall(
+            tf.zeros([SIZE, 2 + (RANK == 1)]), name="mismatch.alltoall"
+        ),
+        "mismatch.alltoall.fn": lambda: tf.function(
+            lambda: kr.alltoall(tf.zeros([SIZE, 1], tf.int32 if RANK else tf.int64),
+                                splits=[1] * SIZE, name="mismatch.alltoall.fn")
+        )(),
     }
     for name, call in cases.items():
         try:
@@ -329,12 +582,67 @@ def check_mismatch_errors():
         except tf.errors.InvalidArgumentError as e:
             if f"ranks disagree on tensor '{name}'" not in e.message:
                 failures.append(f"rank {RANK}: {name}: unexpected message: {e.message}")
+    check_bad_splits()
     check(
         "allreduce after errors",
         kr.allreduce(tf.ones([3]), op=kr.Sum),
         np.full([3], SIZE, np.float32),
         tf.float32,
     )
+
+
+def check_bad_splits():
+    """Splits that cannot split the tensor fail on the rank that passes them, naming them.
+
+    Every rank passes bad splits here: a rank that refuses its request alone
+    would leave the others waiting for it.
+    """
+    x = tf.ones([5, 2])
+    eager_cases = {
+        f"one entry per rank ({SIZE})": [5],
+        "no negative entries": [6, -1] + [0] * (SIZE - 2),
+        "add up to the first dimension of `tensor`, 5": [1] * SIZE,
+    }
+    for match, splits in eager_cases.items():
+        try:
+            kr.alltoall(x, splits=splits, name="bad.splits")
+            failures.append(f"rank {RANK}: splits {splits}: no error")
+        except ValueError as e:
+            if match not in str(e) or f"Received: splits={splits}" not in str(e):
+                failures.append(f"rank {RANK}: splits {splits}: unexpected message: {e}")
+    # Known only when the graph runs: the engine refuses, naming the tensor.
+    fn = tf.function(
+        lambda t, s: kr.alltoall(t, splits=s, name="bad.splits.fn"),
+        input_signature=[tf.TensorSpec([5, 2]), tf.TensorSpec([None], tf.int32)],
+    )
+    graph_cases = {
+        "splits must add up to the first dimension": [1] * SIZE,
+        f"one split per rank ({SIZE})": [5] + [0] * SIZE,
+        "splits must not be negative": [6, -1] + [0] * (SIZE - 2),
+    }
+    for match, splits in graph_cases.items():
+        try:
+            fn(x, tf.constant(splits))
+            failures.append(f"rank {RANK}: graph splits {splits}: no error")
+        except tf.errors.InvalidArgumentError as e:
+            if "'bad.splits.fn'" not in e.message or match not in e.message:
+                failures.append(f"rank {RANK}: graph splits {splits}: unexpected: {e.message}")
+    # An even split needs a first dimension divisible by the number of ranks.
+    try:
+        kr.alltoall(tf.ones([SIZE + 1]), name="bad.even")
+        failures.append(f"rank {RANK}: uneven first dimension without splits: no error")
+    except ValueError as e:
+        if f"divisible by the number of ranks ({SIZE})" not in str(e):
+            failures.append(f"rank {RANK}: uneven without splits: unexpected message: {e}")
+    even = tf.function(
+        lambda t: kr.alltoall(t, name="bad.even.fn"), input_signature=[tf.TensorSpec([None])]
+    )
+    try:
+        even(tf.ones([SIZE + 1]))
+        failures.append(f"rank {RANK}: uneven first dimension without splits: no error")
+    except tf.errors.InvalidArgumentError as e:
+        if "'bad.even.fn'" not in e.message or "divisible" not in e.message:
+            failures.append(f"rank {RANK}: uneven without splits: unexpected: {e.message}")
 
 
 def main():
@@ -348,7 +656,12 @@ def main():
             check_grouped_allreduce,
             check_allgather,
             check_broadcast,
+            check_reducescatter,
+            check_grouped_reducescatter,
+            check_grouped_allgather,
+            check_alltoall,
             check_gradients,
+            check_new_gradients,
             check_order,
             check_mismatch_errors,
         ):
