@@ -342,16 +342,14 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
     return refuse("rank " + std::to_string(topology_.rank) + " is not in " + set_name +
                   " (ranks [" + ranks + "])");
   }
-  const TensorMeta& m = req.meta;
+  // Arguments that may be wrong on one rank only: every rank fails the name.
+  TensorMeta& m = req.meta;
   if (m.collective == Collective::kBroadcast && (m.root_rank < 0 || m.root_rank >= set.size())) {
-    return refuse("root_rank " + std::to_string(m.root_rank) + " is outside [0, " +
-                  std::to_string(set.size()) + ")" +
-                  (req.process_set ? " (ranks within " + set_name + ")" : ""));
+    m.error = "root_rank " + std::to_string(m.root_rank) + " is outside [0, " +
+              std::to_string(set.size()) + ")" +
+              (req.process_set ? " (ranks within " + set_name + ")" : "");
   }
-  if (m.collective == Collective::kAlltoall) {
-    std::string why = CheckSplits(m.splits, m.shape[0], set.size());
-    if (!why.empty()) return refuse(why);
-  }
+  if (m.collective == Collective::kAlltoall) m.error = CheckSplits(m.splits, m.shape[0], set.size());
   if (set.pending.count(name)) {
     req.Complete(KR_INVALID_ARGUMENT,
                  "keras-ring: tensor '" + name + "' was submitted again while a "

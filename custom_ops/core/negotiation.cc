@@ -88,7 +88,7 @@ std::string TensorMeta::Describe() const {
 bool TensorMeta::operator==(const TensorMeta& o) const {
   return name == o.name && collective == o.collective && dtype == o.dtype && op == o.op &&
          prescale_factor == o.prescale_factor && postscale_factor == o.postscale_factor &&
-         root_rank == o.root_rank && shape == o.shape && splits == o.splits;
+         root_rank == o.root_rank && shape == o.shape && splits == o.splits && error == o.error;
 }
 
 namespace {
@@ -103,6 +103,7 @@ void PutMeta(Writer& w, const TensorMeta& m) {
   w.Put<int32_t>(m.root_rank);
   w.PutDims(m.shape);
   w.PutDims(m.splits);
+  w.PutString(m.error);
 }
 
 TensorMeta GetMeta(Reader& r) {
@@ -116,6 +117,7 @@ TensorMeta GetMeta(Reader& r) {
   m.root_rank = r.Get<int32_t>();
   m.shape = r.GetDims();
   m.splits = r.GetDims();
+  m.error = r.GetString();
   return m;
 }
 
@@ -309,6 +311,13 @@ void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
 std::string Coordinator::Disagreement(const std::string& name, const Entry& e) const {
   int first_rank = std::find(e.present.begin(), e.present.end(), true) - e.present.begin();
   const TensorMeta& first = e.metas[first_rank];
+  std::ostringstream s;
+  for (int r = 0; r < size_; ++r) {
+    if (!e.present[r] || e.metas[r].error.empty()) continue;
+    s << (s.tellp() > 0 ? "; " : "keras-ring: " + label_ + "tensor '" + name + "' is invalid on ")
+      << "rank " << WorldRank(r) << ": " << e.metas[r].error;
+  }
+  if (s.tellp() > 0) return s.str();
   bool agree = true;
   for (int r = first_rank + 1; r < size_ && agree; ++r) {
     if (!e.present[r]) continue;
@@ -340,7 +349,6 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
         break;
     }
   }
-  std::ostringstream s;
   if (!agree) {
     s << "keras-ring: " << label_ << "ranks disagree on tensor '" << name << "':";
     for (int r = 0; r < size_; ++r) {
@@ -396,7 +404,7 @@ std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
   for (size_t i = 0; i < responses.size(); ++i) {
     if (taken[i]) continue;
     Response fused = std::move(responses[i]);
-    if (Fusable(fused)) {
+    if (Fusable(fused) && threshold > 0) {  // 0: no fusion, even of empty tensors
       for (size_t j = i + 1; j < responses.size(); ++j) {
         const Response& next = responses[j];
         if (taken[j] || !Fusable(next) || !SameReduction(fused, next) ||

@@ -40,6 +40,10 @@ struct TensorMeta {
   std::vector<int64_t> shape;
   std::vector<int64_t> splits;  // alltoall: rows for each rank; empty = even split
                                 // (process set changes: see Collective)
+  // This rank's own objection to its request (alltoall splits that do not fit
+  // the tensor, a root outside the set): sent like any description, so that
+  // every rank fails the name with it instead of waiting for this rank.
+  std::string error;
 
   std::string Describe() const;  // "float32[2,3] Sum" and the like, for errors
   bool operator==(const TensorMeta& o) const;

@@ -292,7 +292,14 @@ def test_mismatch(rank, size):
     x = np.zeros((size + (rank == 1), 2), np.float32)
     expect_error(submit(_engine.REDUCESCATTER, x, "mm.reducescatter", op=OPS["Sum"]), ValueError,
                  "mm.reducescatter", f"float32[{size},2]", f"float32[{size + 1},2]")
-    # Splits are checked where they are given, before any agreement.
+    # Splits that fit on every rank but one: every rank gets the error, naming that rank.
+    x = np.zeros((size, 2), np.float32)
+    splits = [1] * size if rank != 1 else [2] * size
+    expect_error(submit(_engine.ALLTOALL, x, "one.bad.split", splits=splits), ValueError,
+                 "'one.bad.split' is invalid on rank 1: alltoall splits must add up")
+    expect_error(submit(_engine.BROADCAST, x, "one.bad.root", root_rank=size if rank == 1 else 0),
+                 ValueError, f"'one.bad.root' is invalid on rank 1: root_rank {size} is outside")
+    # Splits wrong on every rank: each rank's reason.
     x = np.zeros((5, 2), np.float32)
     expect_error(submit(_engine.ALLTOALL, x, "bad.splits", splits=[5] + [1] * (size - 1)),
                  ValueError, "bad.splits", "add up to", "first dimension is 5")
