@@ -65,8 +65,10 @@ _FORWARDED_SIGNALS = {
     signal.SIGTERM: signal.SIGTERM,
     signal.SIGHUP: signal.SIGTERM,
 }
-# MPICH's forker exits 0 when ranks die of a signal, and reports them on stderr.
-_FORKER_SIGNALED = re.compile(rb"\[\d+\]\d+:Return code = -?\d+, signaled with ([^\n]+)")
+# MPICH's forker exits 0 when ranks die of a signal, and reports them on stderr;
+# once one rank dies it stops the others with SIGQUIT.
+_FORKER_SIGNALED = re.compile(rb"\[\d+\](\d+):Return code = -?\d+, signaled with ([^\n]+)")
+_FORKER_CLEANUP_SIGNAL = signal.SIGQUIT
 _SIGNALS_BY_DESCRIPTION = {
     signal.strsignal(s).encode(): s for s in signal.Signals if signal.strsignal(s)
 }
@@ -377,6 +379,11 @@ def run_job(argv, env, forker=False):
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+    if rank_signal is not None:
+        rank, rank_signal = rank_signal
+        print(f"keras-ring-run: rank {rank} died of signal {rank_signal} "
+              f"({signal.strsignal(rank_signal)}); the launcher stopped the other ranks.",
+              file=sys.stderr, flush=True)
     if returncode < 0:
         return 128 - returncode
     if returncode == 0 and rank_signal is not None:
@@ -393,7 +400,12 @@ def _in_terminal_foreground():
 
 
 def _relay_forker_stderr(stream):
-    """Copies the forker's stderr to ours; returns the signal that killed a rank, if any."""
+    """Copies the forker's stderr to ours.
+
+    Returns:
+        (rank, signal) for the rank whose death by a signal ended the job
+        (not one the forker stopped afterwards), or None.
+    """
     rank_signal = None
     partial_line = b""
     while chunk := os.read(stream.fileno(), 65536):
@@ -403,10 +415,13 @@ def _relay_forker_stderr(stream):
         partial_line = partial_line[-4096:]
         for line in lines:
             match = _FORKER_SIGNALED.search(line)
-            if match and rank_signal is None:
-                # The forker describes signals with strsignal(), as Python does; a
-                # description we do not know still has to fail the job.
-                rank_signal = _SIGNALS_BY_DESCRIPTION.get(match[1].strip(), signal.SIGKILL)
+            if not match:
+                continue
+            # The forker describes signals with strsignal(), as Python does; a
+            # description we do not know still has to fail the job.
+            signum = _SIGNALS_BY_DESCRIPTION.get(match[2].strip(), signal.SIGKILL)
+            if rank_signal is None or rank_signal[1] == _FORKER_CLEANUP_SIGNAL:
+                rank_signal = (int(match[1]), signum)
     return rank_signal
 
 

@@ -92,8 +92,6 @@ def test_a_bad_setting_in_the_environment_is_named():
 def test_init_rejects_unsupported_arguments():
     with pytest.raises(ValueError, match="Received: comm="):
         kr.init(comm=object())
-    with pytest.raises(ValueError, match="Received: process_sets="):
-        kr.init(process_sets=[[0]])
 
 
 def test_engine_refuses_requests_before_init():

@@ -47,3 +47,13 @@ def test_a_stalled_tensor_is_reported_then_fails_on_the_waiting_ranks(run_ranks,
         assert f"rank {rank} error: keras-ring: stalled: ranks [{waiting}]" in result.stdout
     for rank in range(np_):
         assert f"rank {rank}: after ok" in result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_killed_rank_ends_the_job_and_is_named(run_ranks, np_):
+    worker = os.path.join(os.path.dirname(__file__), "workers", "killed_rank_worker.py")
+    result = run_ranks(np_, worker, timeout=120, check=False)
+    assert result.returncode == 128 + 9, result.stdout
+    assert "rank 1 died of signal 9 (Killed)" in result.stdout
+    assert "completed without rank 1" not in result.stdout

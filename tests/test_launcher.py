@@ -251,12 +251,16 @@ def test_job_runs_with_its_environment_and_exit_code(monkeypatch, tmp_path, capf
 def test_rank_killed_by_a_signal_fails_a_forker_job(monkeypatch, tmp_path, capfd):
     bin_dir = tmp_path / "bin"
     mpiexec = write_fake_launcher(bin_dir / "mpiexec", VERSION_TEXT["MPICH"])
-    report = "[0]1:Return code = 0, signaled with Killed\n"
+    # The forker stops the other ranks with SIGQUIT, and may report them first.
+    report = ("[0]0:Return code = 0, signaled with Quit\n"
+              "[0]1:Return code = 0, signaled with Killed\n")
     write_fake_launcher(bin_dir / "mpiexec.gforker", "", stderr_text=report, exit_code=0)
     write_build_info(monkeypatch, tmp_path, mpi_source="system", mpiexec=str(mpiexec))
     code, err = run_main(capfd, "-np", "2", *COMMAND)
     assert code == 128 + signal.SIGKILL
     assert report in err
+    assert ("keras-ring-run: rank 1 died of signal 9 (Killed); the launcher stopped the other "
+            "ranks.") in err
 
 
 # The environment a rank was started with (keras_ring/_mpi_env.py).

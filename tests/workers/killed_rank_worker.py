@@ -1,0 +1,20 @@
+"""Rank 1 is killed (SIGKILL: no exit code runs) while the others wait in an allreduce.
+
+The job must end, not hang, and say which rank died.
+"""
+
+import os
+import signal
+import time
+
+import numpy as np
+
+import keras_ring as kr
+from keras_ring import _engine
+
+kr.init()
+if kr.rank() == 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+_engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), "never.joined").wait()
+print(f"rank {kr.rank()}: allreduce completed without rank 1", flush=True)
