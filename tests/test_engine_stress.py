@@ -46,8 +46,11 @@ def test_randomised_order_stress(run_ranks, monkeypatch, np_, case, settings, fu
     assert sorted(reports) == list(range(np_)), result.stdout
     for rank in range(np_):
         assert re.search(rf"^rank {rank}: stress ok", result.stdout, re.M), result.stdout
-    # Every rank runs the coordinator's list of collectives, fused groups included.
-    assert all(r == reports[0] for r in reports.values()), reports
+    # Every rank runs the coordinator's list of collectives, fused groups included. (Cache hits
+    # are per rank: an allgather whose first dimension changed on one rank only is announced
+    # in full there and by id elsewhere.)
+    for r in reports.values():
+        assert {**r, "cached_tensors": 0} == {**reports[0], "cached_tensors": 0}, reports
     stats = reports[0]
     assert stats["tensors"] == stats["submitted"], stats
     if fuses:
@@ -56,4 +59,5 @@ def test_randomised_order_stress(run_ranks, monkeypatch, np_, case, settings, fu
     else:
         assert stats["fused_tensors"] == 0, stats
     # Stable names are announced by response-cache id after their second step.
-    assert stats["cached_tensors"] > stats["tensors"] // 4, stats
+    for r in reports.values():
+        assert r["cached_tensors"] > r["tensors"] // 4, reports
