@@ -12,7 +12,8 @@ import warnings
 
 import tensorflow as tf
 
-from keras_ring import _basics, _tf_build
+from keras_ring import _basics, _compression, _process_sets, _tf_build
+from keras_ring._process_sets import global_process_set
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
 from keras_ring._reduce_ops import Average, Max, Min, Product, Sum  # noqa: F401
 
@@ -61,17 +62,38 @@ def _scale_factor(arg, value):
         raise ValueError(f"`{arg}` must be a number. Received: {arg}={value!r}") from None
 
 
-def _reduce_args(op, average, compression, prescale_factor, postscale_factor):
-    if compression is not None:
+def _compressor(compression):
+    if compression is None:
+        return _compression.Compression.none
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
         raise ValueError(
-            "keras-ring does not support compression yet; pass compression=None. "
-            f"Received: compression={compression!r}"
+            "`compression` must be a keras_ring.Compression member (none, fp16, bf16) or a "
+            f"Compressor. Received: compression={compression!r}"
         )
+    return compression
+
+
+def _reduce_args(op, average, compression, prescale_factor, postscale_factor):
     return (
         _reduce_op(op, average),
+        _compressor(compression),
         _scale_factor("prescale_factor", prescale_factor),
         _scale_factor("postscale_factor", postscale_factor),
     )
+
+
+def _set_of(process_set):
+    """The engine's id of a `process_set=` argument, and the set's size and this rank in it."""
+    set_id = _process_sets.process_set_id(process_set)
+    if set_id == 0:
+        return 0, _basics.size(), _basics.rank()
+    return set_id, process_set.size(), process_set.rank()
+
+
+def _set_of_op(op):
+    """The process set a keras-ring op ran in, for its gradient."""
+    return _process_sets.by_id(op.get_attr("process_set_id"))
 
 
 def _tensor_name(name, ignore_name_scope):
@@ -127,11 +149,13 @@ def _dense_input(tensor, api, arg="tensor"):
     return _to_tensor(tensor, api)
 
 
-def _allgather(tensor, tensor_name):
-    return _library().keras_ring_allgather(_to_tensor(tensor, "allgather"), tensor_name=tensor_name)
+def _allgather(tensor, tensor_name, set_id=0):
+    return _library().keras_ring_allgather(
+        _to_tensor(tensor, "allgather"), tensor_name=tensor_name, process_set_id=set_id
+    )
 
 
-def _allreduce_indexed_slices(slices, op, scale, tensor_name):
+def _allreduce_indexed_slices(slices, op, scale, tensor_name, process_set):
     # Ranks hold different indices, so the rows are gathered, not reduced;
     # summing duplicate indices is left to whoever applies the slices.
     if op not in _LINEAR_OPS:
@@ -140,10 +164,11 @@ def _allreduce_indexed_slices(slices, op, scale, tensor_name):
             "op=keras_ring.Average or op=keras_ring.Sum. "
             f"Received: op={_REDUCE_OP_NAMES[op]}"
         )
-    values = _allgather(slices.values, tensor_name and f"{tensor_name}.values")
-    indices = _allgather(slices.indices, tensor_name and f"{tensor_name}.indices")
+    set_id, set_size, _ = _set_of(process_set)
+    values = _allgather(slices.values, tensor_name and f"{tensor_name}.values", set_id)
+    indices = _allgather(slices.indices, tensor_name and f"{tensor_name}.indices", set_id)
     if op == Average:
-        scale /= _basics.size()
+        scale /= set_size
     if scale != 1.0:
         # In float64 and truncated for integers, as the dense kernels scale.
         values = tf.cast(tf.cast(values, tf.float64) * scale, values.dtype)
@@ -160,6 +185,7 @@ def allreduce(
     prescale_factor=1.0,
     postscale_factor=1.0,
     name=None,
+    process_set=global_process_set,
     ignore_name_scope=False,
 ):
     """Reduces a tensor over all ranks; every rank receives the result.
@@ -173,13 +199,17 @@ def allreduce(
         average: Deprecated; `True` means `op=Average`, `False` `op=Sum`.
         device_dense: Device on which to reduce dense tensors.
         device_sparse: Device on which to gather `tf.IndexedSlices`.
-        compression: Must be `None`; compression is not supported yet.
+        compression: A `keras_ring.Compression` member: `none` (also
+            `None`), `fp16` or `bf16` send floating-point tensors in that
+            type and convert the result back.
         op: `keras_ring.Average` (the default), `Sum`, `Min`, `Max` or
             `Product`.
         prescale_factor: Multiplies each rank's input before the reduction.
         postscale_factor: Multiplies the result after the reduction.
         name: The name that matches this collective across ranks, prefixed
             by the current name scope. By default, the graph node's name.
+        process_set: Run among this `ProcessSet`'s ranks only (ranks and
+            sizes count within it); by default every rank.
         ignore_name_scope: If `True`, `name` is used without the name scope.
 
     Returns:
@@ -196,23 +226,27 @@ def allreduce(
     >>> keras_ring.allreduce(tf.constant([1.0, 2.0]), op=keras_ring.Sum)
     """
     _basics._require_initialized("allreduce()")
-    op, prescale_factor, postscale_factor = _reduce_args(
+    op, compressor, prescale_factor, postscale_factor = _reduce_args(
         op, average, compression, prescale_factor, postscale_factor
     )
     tensor_name = _tensor_name(name, ignore_name_scope)
     if isinstance(tensor, tf.IndexedSlices):
         with tf.device(device_sparse):
             return _allreduce_indexed_slices(
-                tensor, op, prescale_factor * postscale_factor, tensor_name
+                tensor, op, prescale_factor * postscale_factor, tensor_name, process_set
             )
+    set_id = _set_of(process_set)[0]
     with tf.device(device_dense):
-        return _library().keras_ring_allreduce(
-            _to_tensor(tensor, "allreduce"),
+        compressed, ctx = compressor.compress(_to_tensor(tensor, "allreduce"))
+        reduced = _library().keras_ring_allreduce(
+            compressed,
             reduce_op=op,
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
             tensor_name=tensor_name,
+            process_set_id=set_id,
         )
+        return compressor.decompress(reduced, ctx)
 
 
 def grouped_allreduce(
@@ -225,6 +259,7 @@ def grouped_allreduce(
     prescale_factor=1.0,
     postscale_factor=1.0,
     name=None,
+    process_set=global_process_set,
     ignore_name_scope=False,
 ):
     """Reduces a list of tensors over all ranks as one operation.
@@ -239,7 +274,9 @@ def grouped_allreduce(
         average: Deprecated; `True` means `op=Average`, `False` `op=Sum`.
         device_dense: Device on which to reduce dense tensors.
         device_sparse: Device on which to gather `tf.IndexedSlices`.
-        compression: Must be `None`; compression is not supported yet.
+        compression: A `keras_ring.Compression` member: `none` (also
+            `None`), `fp16` or `bf16` send floating-point tensors in that
+            type and convert the result back.
         op: `keras_ring.Average` (the default), `Sum`, `Min`, `Max` or
             `Product`.
         prescale_factor: Multiplies each rank's inputs before the reduction.
@@ -247,6 +284,8 @@ def grouped_allreduce(
         name: The name that matches this group across ranks, prefixed by the
             current name scope; tensor `i` is matched as `<name>.<i>`. By
             default, the graph node's name.
+        process_set: Run among this `ProcessSet`'s ranks only (ranks and
+            sizes count within it); by default every rank.
         ignore_name_scope: If `True`, `name` is used without the name scope.
 
     Returns:
@@ -263,9 +302,10 @@ def grouped_allreduce(
     >>> keras_ring.grouped_allreduce([tf.ones([2]), tf.ones([3], tf.int32)])
     """
     _basics._require_initialized("grouped_allreduce()")
-    op, prescale_factor, postscale_factor = _reduce_args(
+    op, compressor, prescale_factor, postscale_factor = _reduce_args(
         op, average, compression, prescale_factor, postscale_factor
     )
+    set_id = _set_of(process_set)[0]
     tensor_name = _tensor_name(name, ignore_name_scope)
     tensors = list(tensors)
     results = [None] * len(tensors)
@@ -282,22 +322,25 @@ def grouped_allreduce(
                 op,
                 prescale_factor * postscale_factor,
                 tensor_name and f"{tensor_name}.{i}",
+                process_set,
             )
     if dense:
         with tf.device(device_dense):
+            compressed = [compressor.compress(t) for t in dense_inputs]
             outputs = _library().keras_ring_grouped_allreduce(
-                dense_inputs,
+                [t for t, _ in compressed],
                 reduce_op=op,
                 prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor,
                 tensor_name=tensor_name,
+                process_set_id=set_id,
             )
-        for i, output in zip(dense, outputs):
-            results[i] = output
+            for i, output, (_, ctx) in zip(dense, outputs, compressed):
+                results[i] = compressor.decompress(output, ctx)
     return results
 
 
-def allgather(tensor, name=None, ignore_name_scope=False):
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenates the tensors of all ranks along the first dimension.
 
     The first dimension may differ between ranks (and be 0); the other
@@ -308,6 +351,8 @@ def allgather(tensor, name=None, ignore_name_scope=False):
         name: The name that matches this collective across ranks, prefixed
             by the current name scope. By default, the graph node's name.
         ignore_name_scope: If `True`, `name` is used without the name scope.
+        process_set: Run among this `ProcessSet`'s ranks only (ranks and
+            sizes count within it); by default every rank.
 
     Returns:
         A tensor holding every rank's rows, in rank order.
@@ -323,10 +368,11 @@ def allgather(tensor, name=None, ignore_name_scope=False):
     >>> keras_ring.allgather(tf.fill([keras_ring.rank() + 1], keras_ring.rank()))
     """
     _basics._require_initialized("allgather()")
-    return _allgather(tensor, _tensor_name(name, ignore_name_scope))
+    return _allgather(tensor, _tensor_name(name, ignore_name_scope), _set_of(process_set)[0])
 
 
-def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
     """Copies the tensor of `root_rank` to every rank.
 
     Args:
@@ -336,6 +382,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
         name: The name that matches this collective across ranks, prefixed
             by the current name scope. By default, the graph node's name.
         ignore_name_scope: If `True`, `name` is used without the name scope.
+        process_set: Run among this `ProcessSet`'s ranks only (ranks and
+            sizes count within it); by default every rank.
 
     Returns:
         The root's tensor.
@@ -351,7 +399,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
     >>> keras_ring.broadcast(tf.random.normal([3]), root_rank=0)
     """
     _basics._require_initialized("broadcast()")
-    size = _basics.size()
+    set_id, size, _ = _set_of(process_set)
     if (
         isinstance(root_rank, bool)
         or not isinstance(root_rank, numbers.Integral)
@@ -365,10 +413,12 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
         _to_tensor(tensor, "broadcast"),
         root_rank=int(root_rank),
         tensor_name=_tensor_name(name, ignore_name_scope),
+        process_set_id=set_id,
     )
 
 
-def grouped_allgather(tensors, name=None, ignore_name_scope=False):
+def grouped_allgather(tensors, name=None, ignore_name_scope=False,
+                      process_set=global_process_set):
     """Allgathers a list of tensors as one operation.
 
     The tensors may have different dtypes. Each one's first dimension may
@@ -381,6 +431,8 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False):
             current name scope; tensor `i` is matched as `<name>.<i>`. By
             default, the graph node's name.
         ignore_name_scope: If `True`, `name` is used without the name scope.
+        process_set: Run among this `ProcessSet`'s ranks only (ranks and
+            sizes count within it); by default every rank.
 
     Returns:
         A list of tensors in the order of `tensors`, each holding every
@@ -397,13 +449,16 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False):
     >>> keras_ring.grouped_allgather([tf.ones([2, 3]), tf.range(keras_ring.rank() + 1)])
     """
     _basics._require_initialized("grouped_allgather()")
+    set_id = _set_of(process_set)[0]
     tensor_name = _tensor_name(name, ignore_name_scope)
     tensors = [
         _to_tensor(t, "grouped_allgather") for t in _tensor_list(tensors, "grouped_allgather")
     ]
     if not tensors:
         return []
-    return list(_library().keras_ring_grouped_allgather(tensors, tensor_name=tensor_name))
+    return list(_library().keras_ring_grouped_allgather(
+        tensors, tensor_name=tensor_name, process_set_id=set_id
+    ))
 
 
 def reducescatter(
@@ -412,6 +467,7 @@ def reducescatter(
     compression=None,
     op=Average,
     name=None,
+    process_set=global_process_set,
     ignore_name_scope=False,
     prescale_factor=1.0,
     postscale_factor=1.0,
@@ -426,11 +482,15 @@ def reducescatter(
     Args:
         tensor: The tensor to reduce, of rank 1 or more.
         device_dense: Device on which to reduce the tensor.
-        compression: Must be `None`; compression is not supported yet.
+        compression: A `keras_ring.Compression` member: `none` (also
+            `None`), `fp16` or `bf16` send floating-point tensors in that
+            type and convert the result back.
         op: `keras_ring.Average` (the default), `Sum`, `Min`, `Max` or
             `Product`.
         name: The name that matches this collective across ranks, prefixed
             by the current name scope. By default, the graph node's name.
+        process_set: Run among this `ProcessSet`'s ranks only (ranks and
+            sizes count within it); by default every rank.
         ignore_name_scope: If `True`, `name` is used without the name scope.
         prescale_factor: Multiplies each rank's input before the reduction.
         postscale_factor: Multiplies the result after the reduction.
@@ -451,18 +511,22 @@ def reducescatter(
     >>> keras_ring.reducescatter(tf.ones([2 * keras_ring.size(), 3]), op=keras_ring.Sum)
     """
     _basics._require_initialized("reducescatter()")
-    op, prescale_factor, postscale_factor = _reduce_args(
+    op, compressor, prescale_factor, postscale_factor = _reduce_args(
         op, None, compression, prescale_factor, postscale_factor
     )
     tensor_name = _tensor_name(name, ignore_name_scope)
+    set_id = _set_of(process_set)[0]
     with tf.device(device_dense):
-        return _library().keras_ring_reducescatter(
-            _dense_input(tensor, "reducescatter"),
+        compressed, ctx = compressor.compress(_dense_input(tensor, "reducescatter"))
+        reduced = _library().keras_ring_reducescatter(
+            compressed,
             reduce_op=op,
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
             tensor_name=tensor_name,
+            process_set_id=set_id,
         )
+        return compressor.decompress(reduced, ctx)
 
 
 def grouped_reducescatter(
@@ -471,6 +535,7 @@ def grouped_reducescatter(
     compression=None,
     op=Average,
     name=None,
+    process_set=global_process_set,
     ignore_name_scope=False,
     prescale_factor=1.0,
     postscale_factor=1.0,
@@ -484,12 +549,16 @@ def grouped_reducescatter(
     Args:
         tensors: A list of tensors, each of rank 1 or more.
         device_dense: Device on which to reduce the tensors.
-        compression: Must be `None`; compression is not supported yet.
+        compression: A `keras_ring.Compression` member: `none` (also
+            `None`), `fp16` or `bf16` send floating-point tensors in that
+            type and convert the result back.
         op: `keras_ring.Average` (the default), `Sum`, `Min`, `Max` or
             `Product`.
         name: The name that matches this group across ranks, prefixed by the
             current name scope; tensor `i` is matched as `<name>.<i>`. By
             default, the graph node's name.
+        process_set: Run among this `ProcessSet`'s ranks only (ranks and
+            sizes count within it); by default every rank.
         ignore_name_scope: If `True`, `name` is used without the name scope.
         prescale_factor: Multiplies each rank's inputs before the reduction.
         postscale_factor: Multiplies the results after the reduction.
@@ -511,9 +580,10 @@ def grouped_reducescatter(
     >>> keras_ring.grouped_reducescatter([tf.ones([n, 2]), tf.ones([2 * n], tf.int32)])
     """
     _basics._require_initialized("grouped_reducescatter()")
-    op, prescale_factor, postscale_factor = _reduce_args(
+    op, compressor, prescale_factor, postscale_factor = _reduce_args(
         op, None, compression, prescale_factor, postscale_factor
     )
+    set_id = _set_of(process_set)[0]
     tensor_name = _tensor_name(name, ignore_name_scope)
     tensors = _tensor_list(tensors, "grouped_reducescatter")
     with tf.device(device_dense):
@@ -524,20 +594,20 @@ def grouped_reducescatter(
         ]
         if not inputs:
             return []
-        return list(
-            _library().keras_ring_grouped_reducescatter(
-                inputs,
-                reduce_op=op,
-                prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor,
-                tensor_name=tensor_name,
-            )
+        compressed = [compressor.compress(t) for t in inputs]
+        outputs = _library().keras_ring_grouped_reducescatter(
+            [t for t, _ in compressed],
+            reduce_op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            tensor_name=tensor_name,
+            process_set_id=set_id,
         )
+        return [compressor.decompress(t, ctx) for t, (_, ctx) in zip(outputs, compressed)]
 
 
-def _alltoall_splits(splits, tensor):
+def _alltoall_splits(splits, tensor, size):
     """`splits` as an int32 vector, checked as far as it is known before running."""
-    size = _basics.size()
     rows = tensor.shape[0] if tensor.shape.rank else None
     if splits is None:
         if rows is not None and rows % size:
@@ -591,15 +661,16 @@ def _alltoall_splits(splits, tensor):
     return tf.cast(splits, tf.int32)
 
 
-def _alltoall(tensor, splits, tensor_name):
+def _alltoall(tensor, splits, tensor_name, set_id, set_size):
     output, received_splits = _library().keras_ring_alltoall(
-        tensor, splits, tensor_name=tensor_name
+        tensor, splits, tensor_name=tensor_name, process_set_id=set_id
     )
-    received_splits.set_shape([_basics.size()])
+    received_splits.set_shape([set_size])
     return output, received_splits
 
 
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
+             process_set=global_process_set):
     """Sends rows of the tensor to every rank and receives rows from every rank.
 
     This rank sends its first `splits[0]` rows to rank 0, the next
@@ -619,6 +690,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
         name: The name that matches this collective across ranks, prefixed
             by the current name scope. By default, the graph node's name.
         ignore_name_scope: If `True`, `name` is used without the name scope.
+        process_set: Run among this `ProcessSet`'s ranks only (ranks and
+            sizes count within it); by default every rank.
 
     Returns:
         With `splits`, a tuple `(output, received_splits)`: the rows received
@@ -642,7 +715,10 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
     _basics._require_initialized("alltoall()")
     tensor_name = _tensor_name(name, ignore_name_scope)
     tensor = _dense_input(tensor, "alltoall")
-    output, received_splits = _alltoall(tensor, _alltoall_splits(splits, tensor), tensor_name)
+    set_id, set_size, _ = _set_of(process_set)
+    output, received_splits = _alltoall(
+        tensor, _alltoall_splits(splits, tensor, set_size), tensor_name, set_id, set_size
+    )
     return output if splits is None else (output, received_splits)
 
 
@@ -679,6 +755,7 @@ def _gradient_reduction(op, api):
         "op": reduce_op,
         "prescale_factor": op.get_attr("prescale_factor"),
         "postscale_factor": op.get_attr("postscale_factor"),
+        "process_set": _set_of_op(op),
     }
 
 
@@ -707,17 +784,19 @@ def _grouped_allreduce_grad(op, *grads):
 def _allgather_grad(op, grad):
     # This rank's rows feed every rank's loss: sum the gradients of all
     # ranks, then keep this rank's rows.
-    grad = allreduce(tf.convert_to_tensor(grad), op=Sum)
+    process_set = _set_of_op(op)
+    grad = allreduce(tf.convert_to_tensor(grad), op=Sum, process_set=process_set)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
-    offset = tf.reduce_sum(allgather(rows)[: _basics.rank()])
+    offset = tf.reduce_sum(allgather(rows, process_set=process_set)[: _set_of(process_set)[2]])
     return grad[offset : offset + rows[0]]
 
 
 @tf.RegisterGradient("KerasRingBroadcast")
 def _broadcast_grad(op, grad):
     # Only the root's input reaches the outputs (horovod's definition).
-    reduced = allreduce(tf.convert_to_tensor(grad), op=Sum)
-    if _basics.rank() == op.get_attr("root_rank"):
+    process_set = _set_of_op(op)
+    reduced = allreduce(tf.convert_to_tensor(grad), op=Sum, process_set=process_set)
+    if _set_of(process_set)[2] == op.get_attr("root_rank"):
         return reduced
     return tf.zeros_like(reduced)
 
@@ -750,7 +829,7 @@ def _reducescatter_gradient_scale(op, api):
     reduction = _gradient_reduction(op, api)
     scale = reduction["prescale_factor"] * reduction["postscale_factor"]
     if reduction["op"] == Average:
-        scale /= _basics.size()
+        scale /= _set_of(reduction["process_set"])[1]
     return scale
 
 
@@ -760,7 +839,7 @@ def _reducescatter_grad(op, grad):
     # input gradient is every rank's output gradient, gathered in rank order,
     # times the map's factor.
     scale = _reducescatter_gradient_scale(op, "reducescatter")
-    return _scale(allgather(tf.convert_to_tensor(grad)), scale)
+    return _scale(allgather(tf.convert_to_tensor(grad), process_set=_set_of_op(op)), scale)
 
 
 @tf.RegisterGradient("KerasRingGroupedReducescatter")
@@ -768,7 +847,7 @@ def _grouped_reducescatter_grad(op, *grads):
     scale = _reducescatter_gradient_scale(op, "grouped_reducescatter")
     indices, values = _differentiable(op, grads)
     results = [None] * len(grads)
-    for i, g in zip(indices, grouped_allgather(values)):
+    for i, g in zip(indices, grouped_allgather(values, process_set=_set_of_op(op))):
         results[i] = _scale(g, scale)
     return results
 
@@ -780,9 +859,11 @@ def _grouped_allgather_grad(op, *grads):
     results = [None] * len(grads)
     if not indices:
         return results
-    summed = grouped_allreduce(values, op=Sum)
+    process_set = _set_of_op(op)
+    summed = grouped_allreduce(values, op=Sum, process_set=process_set)
     rows = tf.stack([tf.shape(op.inputs[i], out_type=tf.int64)[0] for i in indices])
-    offsets = tf.reduce_sum(allgather(rows[tf.newaxis])[: _basics.rank()], axis=0)
+    gathered = allgather(rows[tf.newaxis], process_set=process_set)
+    offsets = tf.reduce_sum(gathered[: _set_of(process_set)[2]], axis=0)
     for k, (i, g) in enumerate(zip(indices, summed)):
         results[i] = g[offsets[k] : offsets[k] + rows[k]]
     return results
@@ -794,5 +875,6 @@ def _alltoall_grad(op, grad, _received_splits_grad):
     # rows go back the way they came, received_splits[j] of them to rank j.
     if grad is None:
         return [None, None]
-    output, _ = _alltoall(tf.convert_to_tensor(grad), op.outputs[1], "")
+    set_id, set_size, _ = _set_of(_set_of_op(op))
+    output, _ = _alltoall(tf.convert_to_tensor(grad), op.outputs[1], "", set_id, set_size)
     return [output, None]

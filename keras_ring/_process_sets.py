@@ -94,6 +94,16 @@ def process_set_id(process_set):
     return process_set.process_set_id
 
 
+def by_id(set_id):
+    """The registered `ProcessSet` with this id (0: the global one)."""
+    if set_id == 0:
+        return global_process_set
+    for process_set in list(_added):
+        if process_set.process_set_id == set_id:
+            return process_set
+    raise ValueError(f"keras-ring: there is no process set with id {set_id} (removed?)")
+
+
 def add_process_set(process_set):
     """Adds a process set to the running job. Collective over every rank.
 

@@ -537,6 +537,34 @@ def test_reduce_argument_errors(kwargs, match):
             fn(tf.ones([2]), **kwargs)
 
 
+@pytest.mark.parametrize("compression", [None, kr.Compression.none, kr.Compression.fp16,
+                                         kr.Compression.bf16])
+def test_compression_sends_a_narrower_type_and_returns_the_input_type(compression):
+    x = tf.constant([1.5, -2.25, 3.0])
+    for reduce in (lambda t: kr.allreduce(t, compression=compression),
+                   lambda t: kr.grouped_allreduce([t], compression=compression)[0],
+                   lambda t: kr.reducescatter(t, compression=compression),
+                   lambda t: kr.grouped_reducescatter([t], compression=compression)[0]):
+        got = reduce(x)
+        assert got.dtype == tf.float32
+        assert_equal(got, x)  # exact in float16 and bfloat16
+    # Integers travel as they are.
+    assert_equal(kr.allreduce(tf.constant([7]), compression=compression), tf.constant([7]))
+
+
+def test_process_set_must_be_a_registered_process_set():
+    with pytest.raises(TypeError, match="must be a keras_ring.ProcessSet"):
+        kr.allreduce(tf.ones([2]), process_set=[0])
+    with pytest.raises(ValueError, match="add_process_set"):
+        kr.allgather(tf.ones([2]), process_set=kr.ProcessSet([0]))
+    solo = kr.add_process_set([0])
+    try:
+        assert_equal(kr.allreduce(tf.ones([2]), process_set=solo), tf.ones([2]))
+        assert_equal(kr.alltoall(tf.ones([2]), splits=[2], process_set=solo)[1], tf.constant([2]))
+    finally:
+        kr.remove_process_set(solo)
+
+
 @pytest.mark.parametrize("root_rank", [1, -1, 0.0, True, "0"])
 def test_broadcast_root_rank_errors(root_rank):
     with pytest.raises(ValueError, match="Received: root_rank="):

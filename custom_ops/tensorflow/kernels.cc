@@ -107,10 +107,11 @@ class PendingOp {
     request->ctx = &slot;
     request->allocate_output = &AllocateOutput;
     request->done = &Done;
-    kr_topology topology;
-    // Without a topology the engine is not initialised and refuses the request.
-    if (received_splits_output >= 0 && kr_get_topology(&topology) == KR_OK) {
-      slot.received_splits.resize(topology.size);
+    // One entry per rank of the set; without such a set the engine refuses
+    // the request.
+    const int set_size = kr_process_set_ranks(request->process_set, nullptr, 0);
+    if (received_splits_output >= 0 && set_size >= 0) {
+      slot.received_splits.resize(set_size);
       slot.received_splits_output = received_splits_output;
       request->received_splits = slot.received_splits.data();
     }
@@ -193,6 +194,7 @@ class CollectiveKernel : public AsyncOpKernel {
  public:
   explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &name_));
+    OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_));
     // Node names are equal on every rank that built the same graph.
     if (name_.empty()) name_ = name();
   }
@@ -214,6 +216,7 @@ class CollectiveKernel : public AsyncOpKernel {
     r.output = output != nullptr ? output->data() : nullptr;
     r.prescale_factor = 1.0;
     r.postscale_factor = 1.0;
+    r.process_set = process_set_;
     // Only CPU kernels exist so far; GPU kernels will pass their device
     // ordinal here, with an event the engine waits on before reading.
     r.device = KR_DEVICE_CPU;
@@ -239,6 +242,7 @@ class CollectiveKernel : public AsyncOpKernel {
   }
 
   std::string name_;
+  int32_t process_set_ = 0;
 };
 
 // The name of request i of a kernel that serves a single and a grouped op

@@ -52,6 +52,7 @@ REGISTER_OP("KerasRingAllreduce")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("output: T")
     .SetIsStateful()
@@ -69,6 +70,8 @@ prescale_factor: Multiplies each rank's input before the reduction.
 postscale_factor: Multiplies the result after the reduction.
 tensor_name: The name that matches this request across ranks; empty means the
   node name.
+process_set_id: The process set to run in (0: every rank); ranks and sizes
+  count within it.
 )doc");
 
 REGISTER_OP("KerasRingGroupedAllreduce")
@@ -77,6 +80,7 @@ REGISTER_OP("KerasRingGroupedAllreduce")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("outputs: T")
     .SetIsStateful()
@@ -93,11 +97,14 @@ reduce_op: 0 = Average, 1 = Sum, 3 = Min, 4 = Max, 5 = Product.
 prescale_factor: Multiplies each rank's inputs before the reduction.
 postscale_factor: Multiplies the results after the reduction.
 tensor_name: The name `<name>` above; empty means the node name.
+process_set_id: The process set to run in (0: every rank); ranks and sizes
+  count within it.
 )doc");
 
 REGISTER_OP("KerasRingAllgather")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("output: T")
     .SetIsStateful()
@@ -112,11 +119,14 @@ tensor: This rank's rows; rank at least 1.
 output: Every rank's rows; the first dimension is their sum over ranks.
 tensor_name: The name that matches this request across ranks; empty means the
   node name.
+process_set_id: The process set to run in (0: every rank); ranks and sizes
+  count within it.
 )doc");
 
 REGISTER_OP("KerasRingGroupedAllgather")
     .Attr("T: list({half, bfloat16, float, double, int8, uint8, int32, int64}) >= 1")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("outputs: T")
     .SetIsStateful()
@@ -132,6 +142,8 @@ tensors: This rank's rows of each tensor; each of rank at least 1.
 outputs: Every rank's rows of each tensor, in rank order; each first dimension
   is the sum over ranks.
 tensor_name: The name `<name>` above; empty means the node name.
+process_set_id: The process set to run in (0: every rank); ranks and sizes
+  count within it.
 )doc");
 
 REGISTER_OP("KerasRingReducescatter")
@@ -140,6 +152,7 @@ REGISTER_OP("KerasRingReducescatter")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("output: T")
     .SetIsStateful()
@@ -158,6 +171,8 @@ prescale_factor: Multiplies each rank's input before the reduction.
 postscale_factor: Multiplies the result after the reduction.
 tensor_name: The name that matches this request across ranks; empty means the
   node name.
+process_set_id: The process set to run in (0: every rank); ranks and sizes
+  count within it.
 )doc");
 
 REGISTER_OP("KerasRingGroupedReducescatter")
@@ -166,6 +181,7 @@ REGISTER_OP("KerasRingGroupedReducescatter")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("outputs: T")
     .SetIsStateful()
@@ -183,11 +199,14 @@ reduce_op: 0 = Average, 1 = Sum, 3 = Min, 4 = Max, 5 = Product.
 prescale_factor: Multiplies each rank's inputs before the reduction.
 postscale_factor: Multiplies the results after the reduction.
 tensor_name: The name `<name>` above; empty means the node name.
+process_set_id: The process set to run in (0: every rank); ranks and sizes
+  count within it.
 )doc");
 
 REGISTER_OP("KerasRingAlltoall")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Input("splits: int32")
     .Output("output: T")
@@ -210,12 +229,15 @@ output: The rows received from every rank, in rank order.
 received_splits: The rows received from each rank, one entry per rank.
 tensor_name: The name that matches this request across ranks; empty means the
   node name.
+process_set_id: The process set to run in (0: every rank); ranks and sizes
+  count within it.
 )doc");
 
 REGISTER_OP("KerasRingBroadcast")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("output: T")
     .SetIsStateful()
@@ -229,6 +251,8 @@ output: The root's tensor.
 root_rank: The rank whose tensor is broadcast.
 tensor_name: The name that matches this request across ranks; empty means the
   node name.
+process_set_id: The process set to run in (0: every rank); ranks and sizes
+  count within it.
 )doc");
 
 }  // namespace keras_ring

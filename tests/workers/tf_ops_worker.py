@@ -645,6 +645,48 @@ def check_bad_splits():
             failures.append(f"rank {RANK}: uneven without splits: unexpected: {e.message}")
 
 
+def check_process_sets():
+    """The last two ranks as a set: every op, eager and in a tf.function, with gradients."""
+    pair = kr.add_process_set([SIZE - 2, SIZE - 1])
+    x = tf.constant(inputs(RANK, (5, 2), tf.float32, "ps/x", True))
+    xs = {r: inputs(r, (5, 2), tf.float32, "ps/x", True) for r in range(SIZE)}
+    for mode in MODES:
+        if not pair.included():
+            continue
+        me, members = pair.rank(), pair.ranks
+        got = run(mode, lambda t: kr.allreduce(t, op=kr.Sum, process_set=pair), x)
+        check(f"{mode} set allreduce", got, xs[members[0]] + xs[members[1]], tf.float32)
+        got = run(mode, lambda t: kr.allgather(t, process_set=pair), x)
+        check(f"{mode} set allgather", got, np.concatenate([xs[r] for r in members]), tf.float32)
+        got = run(mode, lambda t: kr.broadcast(t, 1, process_set=pair), x)
+        check(f"{mode} set broadcast", got, xs[members[1]], tf.float32)
+        got = run(mode, lambda t: kr.reducescatter(t, op=kr.Sum, process_set=pair), x)
+        total = xs[members[0]] + xs[members[1]]
+        check(f"{mode} set reducescatter", got, total[:3] if me == 0 else total[3:], tf.float32)
+        out, received = run(mode, lambda t: kr.alltoall(t, splits=[2, 3], process_set=pair), x)
+        want = np.concatenate([xs[r][:2] if me == 0 else xs[r][2:] for r in members])
+        check(f"{mode} set alltoall", out, want, tf.float32)
+        check(f"{mode} set alltoall splits", received,
+              np.array([2, 2] if me == 0 else [3, 3], np.int32), tf.int32)
+        # Gradients run in the op's set: d sum(allreduce(x) * w) / dx = sum of the set's w.
+        ws = {r: inputs(r, (5, 2), tf.float32, "ps/w", True) for r in members}
+        grad = gradient(mode, lambda t: kr.allreduce(t, op=kr.Sum, process_set=pair), x,
+                        tf.constant(ws[RANK]))
+        check(f"{mode} set allreduce gradient", grad, ws[members[0]] + ws[members[1]],
+              tf.float32)
+        grad = gradient(mode, lambda t: kr.allgather(t, process_set=pair), x,
+                        tf.constant(np.concatenate([ws[r] for r in members])))
+        check(f"{mode} set allgather gradient", grad, 2 * ws[RANK], tf.float32)
+    # Compression: fp16 on the wire, float32 back; values that fp16 holds exactly.
+    y = tf.constant(np.full(4, RANK + 0.5, np.float32))
+    for compression in (kr.Compression.fp16, kr.Compression.bf16):
+        got = kr.allreduce(y, op=kr.Sum, compression=compression)
+        check(f"allreduce {compression.__name__}", got,
+              np.full(4, sum(r + 0.5 for r in range(SIZE)), np.float32), tf.float32)
+    kr.barrier()
+    kr.remove_process_set(pair)
+
+
 def main():
     global RANK, SIZE
     kr.init()
@@ -664,6 +706,7 @@ def main():
             check_new_gradients,
             check_order,
             check_mismatch_errors,
+            check_process_sets,
         ):
             check_all()
             if RANK == 0:
