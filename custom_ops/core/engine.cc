@@ -85,6 +85,10 @@ std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int si
   int64_t total = 0;
   for (int64_t s : splits) {
     if (s < 0) return "alltoall splits must not be negative; " + received;
+    if (s > rows - total) {  // without overflowing
+      return "alltoall splits must add up to the first dimension; they add up to more, the "
+             "first dimension is " + std::to_string(rows);
+    }
     total += s;
   }
   if (total != rows) {
@@ -116,8 +120,15 @@ bool Engine::initialized() const {
 }
 
 kr_status Engine::Init(std::string* error) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (running_) return KR_OK;
+  if (thread_.joinable()) {
+    // The engine stopped by itself (another rank shut down, or it failed):
+    // finish that shutdown before starting again.
+    lock.unlock();
+    Shutdown(nullptr);
+    lock.lock();
+  }
   try {
     fusion_threshold_ = Setting<unsigned long long>(
         {"KERAS_RING_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"}, kDefaultFusionThreshold,
@@ -350,6 +361,11 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
               (req.process_set ? " (ranks within " + set_name + ")" : "");
   }
   if (m.collective == Collective::kAlltoall) m.error = CheckSplits(m.splits, m.shape[0], set.size());
+  if (set.joined) {
+    return refuse("rank " + std::to_string(topology_.rank) + " has joined " + set_name +
+                  "; until every rank has joined it takes part in the others' collectives "
+                  "with zeros and may not submit its own");
+  }
   if (set.pending.count(name)) {
     req.Complete(KR_INVALID_ARGUMENT,
                  "keras-ring: tensor '" + name + "' was submitted again while a "
@@ -360,13 +376,15 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
   }
   ReadyList& list = (*ready)[req.process_set];
   list.process_set = req.process_set;
+  ReadyList::Item item;
   auto cached = set.cache_ids.find(name);
   if (cached != set.cache_ids.end() && set.cached[cached->second] == m) {
-    list.cached.push_back(cached->second);
+    item.cache_id = cached->second;
     stats_.cached_tensors += 1;
   } else {
-    list.metas.push_back(m);
+    item.meta = m;
   }
+  list.items.push_back(std::move(item));
   set.joined = set.joined || m.collective == Collective::kJoin;
   set.pending.emplace(name, std::move(req));
   return true;
@@ -381,9 +399,10 @@ void Engine::Loop() {
       {
         std::unique_lock<std::mutex> lock(mu_);
         auto has_news = [&] { return !queue_.empty() || (shutdown_requested_ && !shutdown_sent_); };
-        bool in_flight = InFlight() || shutdown_sent_ || !sends_.empty();
-        bool watching_stalls = coordinating_ && (stall_check_.count() || stall_shutdown_.count());
-        if (!in_flight && watching_stalls) {
+        bool in_flight = InFlight() || shutdown_sent_ || !sends_.empty() || CoordinatorBusy();
+        if (!in_flight && coordinating_) {
+          // Idle, the coordinator still looks for stalls and for other ranks'
+          // shutdowns once a second.
           cv_.wait_for(lock, kStallTick, has_news);
         } else if (!in_flight) {
           cv_.wait(lock, has_news);
@@ -428,11 +447,46 @@ void Engine::Loop() {
     for (auto& send : sends_) CheckMpi(MPI_Wait(&send.first, MPI_STATUS_IGNORE), "MPI_Wait");
     sends_.clear();
     StopAccepting(KR_NOT_INITIALIZED, "keras-ring has been shut down");
-  } catch (const EngineError& e) {
-    // The ranks can no longer be assumed to be in step: fail everything, and
-    // refuse new work until shutdown() (which returns at once: no negotiation).
+  } catch (const std::exception& e) {
+    // The ranks can no longer be assumed to be in step: fail everything, tell
+    // the others, and refuse new work until shutdown() (which returns at
+    // once: no negotiation).
     FailAll(KR_INTERNAL, e.what());
+    Abandon(e.what());
     StopAccepting(KR_INTERNAL, e.what());
+  }
+}
+
+bool Engine::CoordinatorBusy() const {
+  if (!coordinating_) return false;
+  if (!decided_.empty()) return true;  // held back by the cycle time
+  for (const auto& [id, set] : sets_) {
+    // Names some ranks wait for, or a set whose members may need rank 0 to
+    // coordinate while it has nothing of its own to do: poll (backing off to
+    // 1 ms) instead of sleeping until the next tick.
+    if (set.rank < 0 || set.coordinator->HasWaiting()) return true;
+  }
+  return false;
+}
+
+void Engine::Abandon(const std::string& reason) {
+  // Best effort: the transport may be what failed.
+  try {
+    if (coordinating_) {
+      ResponseList list;
+      list.shutdown_rank = topology_.rank;
+      list.shutdown_reason = reason;
+      SendResponses(list);
+    } else if (!shutdown_sent_) {
+      ReadyList list;
+      list.shutdown = true;
+      list.shutdown_reason = reason;
+      SendReadyList(std::move(list));
+      shutdown_sent_ = true;
+    }
+    for (auto& send : sends_) MPI_Wait(&send.first, MPI_STATUS_IGNORE);
+    sends_.clear();
+  } catch (const std::exception&) {
   }
 }
 
@@ -444,7 +498,7 @@ void Engine::StopAccepting(kr_status status, const std::string& message) {
 }
 
 void Engine::AddToCoordinator(int world_rank, ReadyList list) {
-  if (list.shutdown) sets_[0].coordinator->RequestShutdown(world_rank);
+  if (list.shutdown) sets_[0].coordinator->RequestShutdown(world_rank, list.shutdown_reason);
   auto found = sets_.find(list.process_set);
   // A set removed since the rank sent this: its requests have failed there.
   if (found == sets_.end()) return;
@@ -455,8 +509,13 @@ void Engine::AddToCoordinator(int world_rank, ReadyList list) {
                std::to_string(list.process_set) + ", which it is not in");
   const int rank = static_cast<int>(pos - set.ranks.begin());
   const size_t first_new = decided_.size();
-  for (auto& m : list.metas) set.coordinator->Add(rank, std::move(m), &decided_);
-  for (int32_t id : list.cached) set.coordinator->AddCached(rank, id, &decided_);
+  for (auto& item : list.items) {
+    if (item.cache_id >= 0) {
+      set.coordinator->AddCached(rank, item.cache_id, &decided_);
+    } else {
+      set.coordinator->Add(rank, std::move(item.meta), &decided_);
+    }
+  }
   for (size_t i = first_new; i < decided_.size(); ++i) decided_[i].process_set = list.process_set;
 }
 
@@ -529,16 +588,30 @@ bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   decided_since_ = Coordinator::Clock::time_point();
   out->responses = Fuse(std::move(decided_), fusion_threshold_);
   decided_.clear();
-  auto bytes = std::make_shared<std::vector<char>>(SerializeResponses(*out));
+  out->shutdown_reason = sets_[0].coordinator->ShutdownReason();
+  SendResponses(*out);
+  return true;
+}
+
+void Engine::SendResponses(const ResponseList& list) {
+  // To the members of the sets the responses belong to (everyone for a
+  // shutdown): a rank outside them has nothing to run, and an idle one would
+  // let the messages pile up.
+  std::vector<bool> to(topology_.size, list.shutdown_rank >= 0);
+  for (const Response& resp : list.responses) {
+    auto found = sets_.find(resp.process_set);
+    if (found == sets_.end()) continue;
+    for (int r : found->second.ranks) to[r] = true;
+  }
+  auto bytes = std::make_shared<std::vector<char>>(SerializeResponses(list));
   for (int r = 0; r < topology_.size; ++r) {
-    if (r == kCoordinator) continue;
+    if (r == kCoordinator || !to[r]) continue;
     MPI_Request req;
     CheckMpi(MPI_Isend(bytes->data(), static_cast<int>(bytes->size()), MPI_BYTE, r, kTagResponse,
                        control_comm_, &req),
              "MPI_Isend (responses)");
     sends_.emplace_back(req, bytes);
   }
-  return true;
 }
 
 bool Engine::ReceiveResponses(ResponseList* out) {
@@ -581,65 +654,77 @@ struct StandIn {
 void Engine::Execute(ResponseList& list) {
   for (Response& resp : list.responses) {
     auto found = sets_.find(resp.process_set);
-    // Every rank gets every response; a set's members run it (a removed set
-    // has failed its requests already).
+    // A list may mix sets: run those this rank is in (a removed set has
+    // failed its requests already).
     if (found == sets_.end() || found->second.rank < 0) continue;
     ProcessSet& set = found->second;
     std::vector<Request> requests;
     std::vector<std::unique_ptr<StandIn>> stand_ins;
-    for (size_t i = 0; i < resp.names.size(); ++i) {
-      const int32_t id = resp.cache_ids[i];
-      if (resp.cached) {
-        KR_CHECK(id >= 0 && size_t(id) < set.cached.size(),
-                 "unknown cache id " + std::to_string(id));
-        resp.names[i] = set.cached[id].name;
+    try {
+      for (size_t i = 0; i < resp.names.size(); ++i) {
+        const int32_t id = resp.cache_ids[i];
+        if (resp.cached) {
+          KR_CHECK(id >= 0 && size_t(id) < set.cached.size(),
+                   "unknown cache id " + std::to_string(id));
+          resp.names[i] = set.cached[id].name;
+        }
+        const std::string& name = resp.names[i];
+        auto it = set.pending.find(name);
+        if (it == set.pending.end() && !resp.error.empty()) continue;  // stalled elsewhere
+        if (it == set.pending.end() && set.joined && resp.send_metas) {
+          auto s = std::make_unique<StandIn>();
+          Request req;
+          req.meta = resp.metas[i];
+          if (req.meta.collective == Collective::kAllgather) req.meta.shape[0] = 0;
+          s->element_bytes = DataTypeSize(req.meta.dtype);
+          s->input.assign(ElementCount(req.meta.shape) * s->element_bytes, 0);
+          s->output.resize(s->input.size());
+          req.input = s->input.data();
+          req.output = s->output.data();
+          req.allocate_output = &StandIn::Allocate;
+          req.done = &StandIn::Done;
+          req.ctx = s.get();
+          stand_ins.push_back(std::move(s));
+          requests.push_back(std::move(req));
+          continue;
+        }
+        KR_CHECK(it != set.pending.end(), "the coordinator scheduled tensor '" + name +
+                                              "', which this rank has not submitted");
+        // A new cache entry: remember this rank's request under the id.
+        if (id >= 0 && !resp.cached) {
+          if (set.cached.size() <= size_t(id)) set.cached.resize(id + 1);
+          set.cached[id] = it->second.meta;
+          set.cache_ids[name] = id;
+        }
+        requests.push_back(std::move(it->second));
+        set.pending.erase(it);
       }
-      const std::string& name = resp.names[i];
-      auto it = set.pending.find(name);
-      if (it == set.pending.end() && !resp.error.empty()) continue;  // stalled elsewhere
-      if (it == set.pending.end() && set.joined && resp.send_metas) {
-        auto s = std::make_unique<StandIn>();
-        Request req;
-        req.meta = resp.metas[i];
-        if (req.meta.collective == Collective::kAllgather) req.meta.shape[0] = 0;
-        s->element_bytes = DataTypeSize(req.meta.dtype);
-        s->input.assign(ElementCount(req.meta.shape) * s->element_bytes, 0);
-        s->output.resize(s->input.size());
-        req.input = s->input.data();
-        req.output = s->output.data();
-        req.allocate_output = &StandIn::Allocate;
-        req.done = &StandIn::Done;
-        req.ctx = s.get();
-        stand_ins.push_back(std::move(s));
-        requests.push_back(std::move(req));
-        continue;
-      }
-      KR_CHECK(it != set.pending.end(), "the coordinator scheduled tensor '" + name +
-                                            "', which this rank has not submitted");
-      // A new cache entry: remember this rank's request under the id.
-      if (id >= 0 && !resp.cached) {
-        if (set.cached.size() <= size_t(id)) set.cached.resize(id + 1);
-        set.cached[id] = it->second.meta;
-        set.cache_ids[name] = id;
-      }
-      requests.push_back(std::move(it->second));
-      set.pending.erase(it);
+    } catch (const std::exception& e) {
+      // Requests taken out of `pending` must still complete.
+      for (const Request& req : requests) req.Complete(KR_INTERNAL, e.what());
+      throw;
     }
     Run(set, requests, resp);
   }
   if (list.shutdown_rank >= 0) {
+    const std::string who = "keras-ring: rank " + std::to_string(list.shutdown_rank);
     FailAll(KR_ABORTED,
             list.shutdown_rank == topology_.rank
                 ? "keras-ring: shutdown() was called while this operation was pending"
-                : "keras-ring: rank " + std::to_string(list.shutdown_rank) +
-                      " shut down (shutdown() or its process exiting) while this operation "
-                      "was pending here; it can no longer complete");
+            : list.shutdown_reason.empty()
+                ? who + " shut down (shutdown() or its process exiting) while this operation "
+                        "was pending here; it can no longer complete"
+                : who + " stopped, its engine failed (" + list.shutdown_reason +
+                      "), while this operation was pending here; it can no longer complete");
   }
 }
 
 void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp) {
   if (!resp.error.empty()) {
-    for (const Request& req : requests) req.Complete(resp.status, resp.error);
+    for (const Request& req : requests) {
+      if (req.meta.collective == Collective::kJoin) set.joined = false;
+      req.Complete(resp.status, resp.error);
+    }
     return;
   }
   bool ok = true;
@@ -677,7 +762,7 @@ void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Re
         DestroyProcessSet(static_cast<int32_t>(requests[0].meta.splits[0]));
         break;
     }
-  } catch (const EngineError& e) {
+  } catch (const std::exception& e) {
     for (const Request& req : requests) {
       req.Complete(KR_INTERNAL, std::string(e.what()) + " (tensor '" + req.meta.name + "')");
     }
@@ -927,35 +1012,35 @@ kr_status Engine::AddProcessSet(std::vector<int> ranks, int32_t* id, std::string
   std::sort(ranks.begin(), ranks.end());
   std::string listed;
   for (int r : ranks) listed += (listed.empty() ? "" : ", ") + std::to_string(r);
-  auto bad = [&](const std::string& why) {
-    SetError(error, "keras-ring: add_process_set: " + why + ". Received: ranks [" + listed + "]");
-    return KR_INVALID_ARGUMENT;
-  };
-  const int size = topology().size;
-  if (ranks.empty()) return bad("a process set needs at least one rank");
-  if (std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end()) return bad("a rank repeats");
-  if (ranks.front() < 0 || ranks.back() >= size) {
-    return bad("ranks must lie in [0, " + std::to_string(size) + ")");
-  }
+  // Checked here but agreed like any request, so that every rank takes part
+  // even when only some pass bad ranks, and all get the error.
   Request req;
   req.meta.collective = Collective::kAddProcessSet;
   req.meta.splits.assign(ranks.begin(), ranks.end());
   req.output = id;
+  const int size = topology().size;
+  std::string why;
+  if (ranks.empty()) {
+    why = "a process set needs at least one rank";
+  } else if (std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end()) {
+    why = "a rank repeats";
+  } else if (ranks.front() < 0 || ranks.back() >= size) {
+    why = "ranks must lie in [0, " + std::to_string(size) + ")";
+  }
+  if (!why.empty()) req.meta.error = "add_process_set: " + why + " (ranks [" + listed + "])";
   return RunControl(std::move(req), error);
 }
 
 kr_status Engine::RemoveProcessSet(int32_t id, std::string* error) {
   std::vector<int> ranks;
-  if (id == 0 || !ProcessSetRanks(id, &ranks)) {
-    SetError(error, "keras-ring: remove_process_set: " +
-                        std::string(id == 0 ? "the global process set (id 0) cannot be removed"
-                                            : "there is no process set with id " +
-                                                  std::to_string(id)));
-    return KR_INVALID_ARGUMENT;
-  }
   Request req;
   req.meta.collective = Collective::kRemoveProcessSet;
   req.meta.splits = {id};
+  if (id == 0 || !ProcessSetRanks(id, &ranks)) {
+    req.meta.error = "remove_process_set: " +
+                     std::string(id == 0 ? "the global process set (id 0) cannot be removed"
+                                         : "there is no process set with id " + std::to_string(id));
+  }
   return RunControl(std::move(req), error);
 }
 

@@ -111,6 +111,11 @@ class Engine {
   void CreateProcessSet(const std::vector<int>& ranks, int32_t* id);
   void DestroyProcessSet(int32_t id);
   bool InFlight() const;
+  // Rank 0 has coordinating to do that its own requests do not show.
+  bool CoordinatorBusy() const;
+  void SendResponses(const ResponseList& list);
+  // After an engine failure: tells the other ranks this one has stopped.
+  void Abandon(const std::string& reason);
   void FailAll(kr_status status, const std::string& message);
   // The loop has ended: refuse what is queued and whatever comes later.
   void StopAccepting(kr_status status, const std::string& message);

@@ -127,10 +127,12 @@ std::vector<char> SerializeReadyList(const ReadyList& list) {
   Writer w;
   w.Put<int32_t>(list.process_set);
   w.Put<uint8_t>(list.shutdown);
-  w.Put<uint64_t>(list.metas.size());
-  for (const auto& m : list.metas) PutMeta(w, m);
-  w.Put<uint64_t>(list.cached.size());
-  for (int32_t id : list.cached) w.Put(id);
+  w.PutString(list.shutdown_reason);
+  w.Put<uint64_t>(list.items.size());
+  for (const auto& item : list.items) {
+    w.Put(item.cache_id);
+    if (item.cache_id < 0) PutMeta(w, item.meta);
+  }
   return w.Take();
 }
 
@@ -139,16 +141,19 @@ ReadyList DeserializeReadyList(const std::vector<char>& bytes) {
   ReadyList list;
   list.process_set = r.Get<int32_t>();
   list.shutdown = r.Get<uint8_t>() != 0;
-  list.metas.resize(r.Get<uint64_t>());
-  for (auto& m : list.metas) m = GetMeta(r);
-  list.cached.resize(r.Get<uint64_t>());
-  for (auto& id : list.cached) id = r.Get<int32_t>();
+  list.shutdown_reason = r.GetString();
+  list.items.resize(r.Get<uint64_t>());
+  for (auto& item : list.items) {
+    item.cache_id = r.Get<int32_t>();
+    if (item.cache_id < 0) item.meta = GetMeta(r);
+  }
   return list;
 }
 
 std::vector<char> SerializeResponses(const ResponseList& list) {
   Writer w;
   w.Put<int32_t>(list.shutdown_rank);
+  w.PutString(list.shutdown_reason);
   w.Put<uint64_t>(list.responses.size());
   for (const auto& resp : list.responses) {
     w.Put<int32_t>(resp.process_set);
@@ -173,6 +178,7 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes) {
   Reader r(bytes);
   ResponseList list;
   list.shutdown_rank = r.Get<int32_t>();
+  list.shutdown_reason = r.GetString();
   list.responses.resize(r.Get<uint64_t>());
   for (auto& resp : list.responses) {
     resp.process_set = r.Get<int32_t>();
@@ -207,11 +213,19 @@ void Coordinator::AddCached(int rank, int32_t id, std::vector<Response>* out,
   Record(rank, cache_[id].metas[rank], true, out, now);
 }
 
+bool Coordinator::JoinedTakePart(Collective c) {
+  // Not join itself, nor adding or removing a process set: every rank must
+  // call those.
+  return c != Collective::kJoin && c != Collective::kAddProcessSet &&
+         c != Collective::kRemoveProcessSet;
+}
+
 bool Coordinator::Complete(const Entry& e) const {
-  const bool join = e.metas[std::find(e.present.begin(), e.present.end(), true) -
-                            e.present.begin()].collective == Collective::kJoin;
+  const Collective c = e.first().collective;
+  // Joined ranks count as present, except for join itself; a collective they
+  // cannot take part in then fails (Disagreement) rather than waits forever.
   for (int r = 0; r < size_; ++r) {
-    if (!e.present[r] && (join || !joined_[r])) return false;
+    if (!e.present[r] && !(joined_[r] && c != Collective::kJoin)) return false;
   }
   return true;
 }
@@ -252,8 +266,7 @@ void Coordinator::Record(int rank, TensorMeta meta, bool by_id, std::vector<Resp
 
 void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
   Entry& e = table_[name];
-  const int first_rank = std::find(e.present.begin(), e.present.end(), true) - e.present.begin();
-  const TensorMeta& first = e.metas[first_rank];
+  const TensorMeta& first = e.first();
   Response resp;
   resp.names = {name};
   resp.metas = {first};
@@ -267,6 +280,9 @@ void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
   resp.error = e.by_id == size_ ? "" : Disagreement(name, e);
   if (!resp.error.empty()) {
     resp.status = KR_INVALID_ARGUMENT;
+    if (first.collective == Collective::kJoin) {  // the join failed: nobody is joined
+      std::fill(joined_.begin(), joined_.end(), false);
+    }
   } else if (first.collective == Collective::kJoin) {
     resp.rows = {last_joined_};
     std::fill(joined_.begin(), joined_.end(), false);
@@ -368,6 +384,8 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
     why = "its root rank has joined";
   } else if (first.collective == Collective::kAlltoall) {
     why = "alltoall does not support joined ranks";
+  } else if (!JoinedTakePart(first.collective)) {
+    why = "every rank must call it";
   }
   if (why.empty()) return "";
   s << "keras-ring: " << label_ << "tensor '" << name << "' (" << first.Describe()
@@ -427,12 +445,16 @@ std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
 
 std::string Coordinator::Stall(const std::string& name, const Entry& e,
                                Clock::time_point now) const {
-  const TensorMeta& m = e.metas[std::find(e.present.begin(), e.present.end(), true) -
-                                e.present.begin()];
+  const TensorMeta& m = e.first();
   auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now - e.first_seen).count();
   std::ostringstream s;
+  // Joined ranks are not waited for, where they take part unasked.
+  std::vector<bool> counted = e.present;
+  for (int r = 0; r < size_; ++r) {
+    counted[r] = counted[r] || (joined_[r] && JoinedTakePart(m.collective));
+  }
   s << label_ << "ranks [" << RankList(e.present, true) << "] have been waiting " << seconds
-    << " s for ranks [" << RankList(e.present, false) << "] to submit tensor '" << name << "' ("
+    << " s for ranks [" << RankList(counted, false) << "] to submit tensor '" << name << "' ("
     << m.Describe() << ")";
   return s.str();
 }
@@ -441,7 +463,11 @@ std::vector<std::string> Coordinator::StallReports(Clock::time_point now,
                                                    Clock::duration report_after) {
   std::vector<std::string> reports;
   for (auto& [name, e] : table_) {
-    if (e.reported || now - e.first_seen < report_after) continue;
+    // Waiting in a join is not a stall: the ranks with data are still working.
+    if (e.reported || now - e.first_seen < report_after ||
+        e.first().collective == Collective::kJoin) {
+      continue;
+    }
     e.reported = true;
     reports.push_back(Stall(name, e, now));
   }
@@ -453,11 +479,12 @@ void Coordinator::FailStalled(Clock::time_point now, Clock::duration fail_after,
                               std::vector<Response>* out) {
   std::vector<std::string> stalled;
   for (const auto& [name, e] : table_) {
-    if (now - e.first_seen >= fail_after) stalled.push_back(name);
+    if (now - e.first_seen >= fail_after && e.first().collective != Collective::kJoin) {
+      stalled.push_back(name);
+    }
   }
   std::sort(stalled.begin(), stalled.end());
   for (const std::string& name : stalled) {
-    const Entry& e = table_[name];
     Response resp;
     resp.names = {name};
     resp.cache_ids = {-1};
@@ -466,17 +493,16 @@ void Coordinator::FailStalled(Clock::time_point now, Clock::duration fail_after,
                  "or runs a different number of steps leaves the others waiting.";
     resp.status = KR_ABORTED;
     out->push_back(std::move(resp));
-    // The ranks whose join failed are no longer joined.
-    for (int r = 0; r < size_; ++r) {
-      if (e.present[r] && e.metas[r].collective == Collective::kJoin) joined_[r] = false;
-    }
     table_.erase(name);
   }
 }
 
-void Coordinator::RequestShutdown(int rank) {
+void Coordinator::RequestShutdown(int rank, const std::string& reason) {
   shutdown_[rank] = true;
-  if (first_shutdown_ < 0) first_shutdown_ = rank;
+  if (first_shutdown_ < 0) {
+    first_shutdown_ = rank;
+    shutdown_reason_ = reason;
+  }
 }
 
 bool Coordinator::AllRequestedShutdown() const {

@@ -17,6 +17,7 @@
 // coordinator's table) so that they can be tested without MPI.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -85,14 +86,21 @@ struct ResponseList {
   // A rank shut down (shutdown() or process exit): the job's engine stops and
   // what is still pending fails on every rank. -1: no shutdown.
   int shutdown_rank = -1;
+  std::string shutdown_reason;  // why, if its engine failed
 };
 
 // What one rank tells the coordinator in one message.
 struct ReadyList {
   int32_t process_set = 0;
-  std::vector<TensorMeta> metas;  // new, or changed since cached
-  std::vector<int32_t> cached;    // unchanged since cached: by id
+  // In submission order (a join must not overtake what was submitted before
+  // it): a full description, or the cache id of an unchanged request.
+  struct Item {
+    int32_t cache_id = -1;  // -1: `meta` holds the description
+    TensorMeta meta;
+  };
+  std::vector<Item> items;
   bool shutdown = false;
+  std::string shutdown_reason;  // empty: shutdown() or the process exiting
 };
 
 // Byte serialisation between processes of one job (all ranks run the same
@@ -136,7 +144,8 @@ class Coordinator {
   // ranks, and the name leaves the table.
   std::vector<std::string> StallReports(Clock::time_point now, Clock::duration report_after);
   void FailStalled(Clock::time_point now, Clock::duration fail_after, std::vector<Response>* out);
-  void RequestShutdown(int rank);
+  void RequestShutdown(int rank, const std::string& reason = "");
+  const std::string& ShutdownReason() const { return shutdown_reason_; }
   int FirstShutdownRank() const { return first_shutdown_; }
   bool AllRequestedShutdown() const;
 
@@ -148,6 +157,10 @@ class Coordinator {
     int by_id = 0;                  // how many ranks sent it by cache id
     Clock::time_point first_seen;
     bool reported = false;
+    // The first submitting rank's view.
+    const TensorMeta& first() const {
+      return metas[std::find(present.begin(), present.end(), true) - present.begin()];
+    }
   };
   struct Cached {
     std::string name;
@@ -156,6 +169,8 @@ class Coordinator {
   void Record(int rank, TensorMeta meta, bool by_id, std::vector<Response>* out,
               Clock::time_point now);
   bool Complete(const Entry& e) const;
+  // Joined ranks take part in these, unasked, with zeros.
+  static bool JoinedTakePart(Collective c);
   // Appends the decision on a complete entry and removes it.
   void Finish(const std::string& name, std::vector<Response>* out);
   // "ranks [0, 2] have been waiting 61 s for ranks [1] to submit tensor 'x' (...)".
@@ -176,6 +191,7 @@ class Coordinator {
   std::unordered_set<std::string> seen_once_;  // agreed once, not cached
   std::vector<bool> shutdown_;
   int first_shutdown_ = -1;
+  std::string shutdown_reason_;
   std::vector<bool> joined_;
   int last_joined_ = -1;
 };

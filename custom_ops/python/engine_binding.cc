@@ -44,11 +44,15 @@ struct Completion {
 
   static void* Allocate(void* ctx, int ndim, const int64_t* shape) {
     auto& self = *static_cast<std::shared_ptr<Completion>*>(ctx);
-    self->gathered_shape.assign(shape, shape + ndim);
-    size_t count = 1;
-    for (int i = 0; i < ndim; ++i) count *= static_cast<size_t>(shape[i]);
-    self->gathered.resize(count * self->element_size + 1);  // +1: never a null data()
-    return self->gathered.data();
+    try {
+      self->gathered_shape.assign(shape, shape + ndim);
+      size_t count = 1;
+      for (int i = 0; i < ndim; ++i) count *= static_cast<size_t>(shape[i]);
+      self->gathered.resize(count * self->element_size + 1);  // +1: never a null data()
+      return self->gathered.data();
+    } catch (const std::exception&) {
+      return nullptr;  // the engine reports the failed allocation
+    }
   }
 
   size_t element_size = 0;

@@ -144,15 +144,21 @@ KR_TEST(WireFormatRoundTrips) {
   metas[1].collective = Collective::kBroadcast;
   metas[1].root_rank = 2;
   ReadyList ready;
-  ready.metas = metas;
-  ready.cached = {4, 0};
+  for (const TensorMeta& m : metas) ready.items.push_back({-1, m});
+  ready.items.insert(ready.items.begin() + 1, {4, {}});  // order is kept
   ready.shutdown = true;
+  ready.shutdown_reason = "why";
   ready.process_set = 3;
   ReadyList back_list = DeserializeReadyList(SerializeReadyList(ready));
   KR_EXPECT(back_list.shutdown);
+  KR_EXPECT_EQ(back_list.shutdown_reason, std::string("why"));
   KR_EXPECT_EQ(back_list.process_set, 3);
-  KR_EXPECT(back_list.cached == ready.cached);
-  const std::vector<TensorMeta>& back = back_list.metas;
+  KR_EXPECT_EQ(back_list.items.size(), 4u);
+  KR_EXPECT_EQ(back_list.items[1].cache_id, 4);
+  std::vector<TensorMeta> back;
+  for (const auto& item : back_list.items) {
+    if (item.cache_id < 0) back.push_back(item.meta);
+  }
   KR_EXPECT_EQ(back.size(), 3u);
   KR_EXPECT(back[2] == metas[2]);
   KR_EXPECT_EQ(back[0].Describe(), metas[0].Describe());
@@ -325,6 +331,38 @@ KR_TEST(FusionKeepsProcessSetsApart) {
   auto decided = Agree(1, {{Allreduce("a", {1}), Allreduce("b", {1})}});
   decided[1].process_set = 1;
   KR_EXPECT_EQ(Fuse(decided, 1 << 20).size(), 2u);
+}
+
+KR_TEST(JoinedRanksDoNotStandInForProcessSetChangesAndAreNoStall) {
+  using std::chrono::seconds;
+  const auto t0 = Coordinator::Clock::now();
+  Coordinator c(2);
+  std::vector<Response> out;
+  c.Add(1, Join(), &out, t0);
+  TensorMeta add = Allreduce("keras_ring.add_process_set.0", {});
+  add.collective = Collective::kAddProcessSet;
+  add.splits = {0, 1};
+  c.Add(0, add, &out, t0);
+  // Rank 1 must call it itself, and cannot while joined: an error, not a wait.
+  KR_EXPECT_EQ(out.size(), 1u);
+  KR_EXPECT(out[0].error.find("cannot run while ranks [1] have joined: every rank must call it") !=
+            std::string::npos);
+  // Waiting in a join is not a stall.
+  KR_EXPECT(c.StallReports(t0 + seconds(61), seconds(60)).empty());
+  out.clear();
+  c.FailStalled(t0 + seconds(61), seconds(60), &out);
+  KR_EXPECT(out.empty());
+}
+
+KR_TEST(ARanksOwnObjectionFailsTheNameOnEveryRank) {
+  TensorMeta bad = Allreduce("a2a", {4});
+  bad.collective = Collective::kAlltoall;
+  TensorMeta good = bad;
+  bad.error = "alltoall splits must add up to the first dimension";
+  auto out = Agree(3, {{good}, {bad}, {good}});
+  KR_EXPECT_EQ(out[0].status, KR_INVALID_ARGUMENT);
+  KR_EXPECT_EQ(out[0].error, std::string("keras-ring: tensor 'a2a' is invalid on rank 1: alltoall "
+                                         "splits must add up to the first dimension"));
 }
 
 }  // namespace
