@@ -1,17 +1,22 @@
 """Randomised-order stress of the engine through its NumPy binding (no TensorFlow).
 
-Every rank submits each step's 50-90 named allreduces, allgathers and
-broadcasts (mixed dtypes, reduce ops, scale factors, sizes, occasional shape
-changes) in its own random order before waiting on any, and checks every
-result against NumPy: see workers/stress_worker.py. A hang fails the test at
-the run's timeout. KR_STRESS_SEED and KR_STRESS_STEPS in the environment
-override the seed and step count of every case.
+Every rank submits each step's 50-90 named global collectives and 12-25 more
+in each of two process sets it may be in (allreduces, allgathers, broadcasts,
+reducescatters and alltoalls; mixed dtypes, reduce ops, scale factors, sizes,
+occasional shape changes; the same names in several sets) in its own random
+order before waiting on any, and checks every result against NumPy; then the
+ranks run out of data at different steps and join, in the global set and in
+a process set: see workers/stress_worker.py. A hang fails the test at the
+run's timeout. KR_STRESS_SEED and KR_STRESS_STEPS in the environment override
+the seed and step count of every case.
 """
 
+import collections
 import json
 import os
 import re
 
+import numpy as np
 import pytest
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "stress_worker.py")
@@ -46,18 +51,65 @@ def test_randomised_order_stress(run_ranks, monkeypatch, np_, case, settings, fu
     assert sorted(reports) == list(range(np_)), result.stdout
     for rank in range(np_):
         assert re.search(rf"^rank {rank}: stress ok", result.stdout, re.M), result.stdout
-    # Every rank runs the coordinator's list of collectives, fused groups included. (Cache hits
-    # are per rank: an allgather whose first dimension changed on one rank only is announced
-    # in full there and by id elsewhere.)
+    per_set = solve_per_set(reports, np_)
+    for members, (want, stats) in per_set.items():
+        where = (members, want, stats, reports)
+        assert stats["tensors"] == want, where
+        assert 1 <= stats["collectives"] <= stats["tensors"], where
+        assert 0 <= stats["fused_tensors"] <= stats["tensors"], where
+        if not fuses:
+            assert stats["fused_tensors"] == 0, where
+            assert stats["collectives"] == stats["tensors"], where
+    # In the join phases only one set runs collectives (joined members with zeros), so its
+    # members' counters move alike, whatever the other sets they are in.
+    phases = collections.defaultdict(dict)
+    for rank, r in reports.items():
+        for label, phase in r["phases"].items():
+            phases[label][rank] = phase
+    assert len(phases) == 2, reports
+    for label, by_rank in phases.items():
+        first = next(iter(by_rank.values()))
+        for phase in by_rank.values():
+            assert {**phase["stats"], "cached_tensors": 0} == {**first["stats"],
+                                                               "cached_tensors": 0}, by_rank
+            assert phase["stats"]["tensors"] == phase["tensors"], (label, by_rank)
+            if not fuses:
+                assert phase["stats"]["fused_tensors"] == 0, (label, by_rank)
     for r in reports.values():
-        assert {**r, "cached_tensors": 0} == {**reports[0], "cached_tensors": 0}, reports
-    stats = reports[0]
-    assert stats["tensors"] == stats["submitted"], stats
-    if fuses:
-        assert stats["fused_tensors"] > 0, stats
-        assert stats["collectives"] < stats["tensors"], stats
-    else:
-        assert stats["fused_tensors"] == 0, stats
-    # Stable names are announced by response-cache id after their second step.
-    for r in reports.values():
+        assert r["tensors"] == r["expected_tensors"], reports
+        if fuses:
+            assert r["fused_tensors"] > 0, reports
+            assert r["collectives"] < r["tensors"], reports
+        # Stable names are announced by response-cache id after their second step.
         assert r["cached_tensors"] > r["tensors"] // 4, reports
+
+
+def solve_per_set(reports, np_):
+    """Each set's share of the counters, solved from every rank's: a rank runs the collectives
+    of every set it is in, so its counters are the sum of those sets' (sets with the same
+    members are one unknown). Every member of a set runs the coordinator's list of collectives,
+    fused groups included, so the sums must fit exactly: with one set, every rank's counters
+    agree. (Cache hits are per rank: an allgather whose first dimension changed on one rank
+    only is announced in full there and by id elsewhere.)
+
+    Returns {members: (tensors the sets with those members ran, {counter: share})}.
+    """
+    sets = {}
+    for rank, report in reports.items():
+        for sid, s in report["sets"].items():
+            assert sets.setdefault(sid, s) == s, (rank, sid, reports)  # members agree
+            assert rank in s["members"], (rank, sid, reports)
+    tensors = collections.Counter()
+    for s in sets.values():
+        tensors[tuple(s["members"])] += s["tensors"]
+    columns = list(tensors)
+    m = np.array([[rank in c for c in columns] for rank in range(np_)], float)
+    assert np.linalg.matrix_rank(m) == len(columns), columns  # each set's share is determined
+    shares = {}
+    for key in ("collectives", "tensors", "fused_tensors"):
+        y = np.array([reports[rank][key] for rank in range(np_)], float)
+        x = np.linalg.lstsq(m, y, rcond=None)[0]
+        assert np.allclose(m @ x, y) and np.allclose(x, np.round(x)), (key, columns, reports)
+        shares[key] = [int(v) for v in np.round(x)]
+    return {c: (tensors[c], {key: shares[key][i] for key in shares})
+            for i, c in enumerate(columns)}
