@@ -82,9 +82,11 @@ std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int si
   if (splits.size() != size_t(size)) {
     return "alltoall needs one split per rank (" + std::to_string(size) + "); " + received;
   }
-  int64_t total = 0;
   for (int64_t s : splits) {
     if (s < 0) return "alltoall splits must not be negative; " + received;
+  }
+  int64_t total = 0;
+  for (int64_t s : splits) {
     if (s > rows - total) {  // without overflowing
       return "alltoall splits must add up to the first dimension; they add up to more, the "
              "first dimension is " + std::to_string(rows);

@@ -383,7 +383,20 @@ def test_join(rank, size):
 
 
 def test_restart(rank, size):
+    # A request no other rank submits is pending when shutdown() is called: it fails, naming
+    # this rank's shutdown or the rank whose shutdown came first.
+    orphan = submit(_engine.ALLREDUCE, np.ones(2, np.float32), f"orphan.{rank}", op=OPS["Sum"])
     kr.shutdown()
+    try:
+        orphan.wait()
+        fail("a request pending at shutdown() completed")
+    except RuntimeError as e:
+        reasons = ("shutdown() was called while this operation was pending",
+                   "shut down (shutdown() or its process exiting)")
+        if not any(reason in str(e) for reason in reasons):
+            fail(f"pending at shutdown: unexpected error {e}")
+        if f"'orphan.{rank}'" not in str(e):
+            fail(f"pending at shutdown: the error does not name the tensor: {e}")
     if kr.is_initialized():
         fail("still initialised after shutdown()")
     expect_error(submit(_engine.ALLREDUCE, np.ones(2, np.float32), "x", op=1), RuntimeError,
