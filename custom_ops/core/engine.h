@@ -113,6 +113,7 @@ class Engine {
   bool InFlight() const;
   // Rank 0 has coordinating to do that its own requests do not show.
   bool CoordinatorBusy() const;
+  bool OutsideASet() const;  // rank 0 coordinates a set it is not in
   void SendResponses(const ResponseList& list);
   // After an engine failure: tells the other ranks this one has stopped.
   void Abandon(const std::string& reason);
