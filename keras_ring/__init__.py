@@ -55,6 +55,7 @@ _LAZY = {
     "DistributedGradientTape": "keras_ring._gradient_tape",
     "shard_dataset": "keras_ring._data",
     "rank_zero_verbose": "keras_ring._data",
+    "run": "keras_ring._run",
 }
 
 

@@ -83,6 +83,14 @@ def _reduce_args(op, average, compression, prescale_factor, postscale_factor):
     )
 
 
+def _reduction(kernel, tensors, compressor, grouped, **attrs):
+    """Runs a reduction kernel on the compressed tensors and decompresses its outputs."""
+    compressed = [compressor.compress(t) for t in tensors]
+    inputs = [t for t, _ in compressed]
+    outputs = kernel(inputs, **attrs) if grouped else [kernel(inputs[0], **attrs)]
+    return [compressor.decompress(out, ctx) for out, (_, ctx) in zip(outputs, compressed)]
+
+
 def _set_of(process_set):
     """The engine's id of a `process_set=` argument, and the set's size and this rank in it."""
     set_id = _process_sets.process_set_id(process_set)
@@ -235,18 +243,18 @@ def allreduce(
             return _allreduce_indexed_slices(
                 tensor, op, prescale_factor * postscale_factor, tensor_name, process_set
             )
-    set_id = _set_of(process_set)[0]
     with tf.device(device_dense):
-        compressed, ctx = compressor.compress(_to_tensor(tensor, "allreduce"))
-        reduced = _library().keras_ring_allreduce(
-            compressed,
+        return _reduction(
+            _library().keras_ring_allreduce,
+            [_to_tensor(tensor, "allreduce")],
+            compressor,
+            grouped=False,
             reduce_op=op,
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
             tensor_name=tensor_name,
-            process_set_id=set_id,
-        )
-        return compressor.decompress(reduced, ctx)
+            process_set_id=_set_of(process_set)[0],
+        )[0]
 
 
 def grouped_allreduce(
@@ -326,17 +334,19 @@ def grouped_allreduce(
             )
     if dense:
         with tf.device(device_dense):
-            compressed = [compressor.compress(t) for t in dense_inputs]
-            outputs = _library().keras_ring_grouped_allreduce(
-                [t for t, _ in compressed],
+            outputs = _reduction(
+                _library().keras_ring_grouped_allreduce,
+                dense_inputs,
+                compressor,
+                grouped=True,
                 reduce_op=op,
                 prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor,
                 tensor_name=tensor_name,
                 process_set_id=set_id,
             )
-            for i, output, (_, ctx) in zip(dense, outputs, compressed):
-                results[i] = compressor.decompress(output, ctx)
+        for i, output in zip(dense, outputs):
+            results[i] = output
     return results
 
 
@@ -515,18 +525,18 @@ def reducescatter(
         op, None, compression, prescale_factor, postscale_factor
     )
     tensor_name = _tensor_name(name, ignore_name_scope)
-    set_id = _set_of(process_set)[0]
     with tf.device(device_dense):
-        compressed, ctx = compressor.compress(_dense_input(tensor, "reducescatter"))
-        reduced = _library().keras_ring_reducescatter(
-            compressed,
+        return _reduction(
+            _library().keras_ring_reducescatter,
+            [_dense_input(tensor, "reducescatter")],
+            compressor,
+            grouped=False,
             reduce_op=op,
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
             tensor_name=tensor_name,
-            process_set_id=set_id,
-        )
-        return compressor.decompress(reduced, ctx)
+            process_set_id=_set_of(process_set)[0],
+        )[0]
 
 
 def grouped_reducescatter(
@@ -594,16 +604,17 @@ def grouped_reducescatter(
         ]
         if not inputs:
             return []
-        compressed = [compressor.compress(t) for t in inputs]
-        outputs = _library().keras_ring_grouped_reducescatter(
-            [t for t, _ in compressed],
+        return _reduction(
+            _library().keras_ring_grouped_reducescatter,
+            inputs,
+            compressor,
+            grouped=True,
             reduce_op=op,
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
             tensor_name=tensor_name,
             process_set_id=set_id,
         )
-        return [compressor.decompress(t, ctx) for t, (_, ctx) in zip(outputs, compressed)]
 
 
 def _alltoall_splits(splits, tensor, size):

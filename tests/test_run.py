@@ -1,0 +1,103 @@
+"""kr.run: workers started from Python, results, exceptions, output and interruption."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import keras_ring as kr
+
+pytestmark = pytest.mark.multirank
+
+
+def rank_and_size(scale, offset=0):
+    import keras_ring as kr
+
+    kr.init()
+    print(f"hello from {kr.rank()}", flush=True)
+    return kr.rank() * scale + offset, kr.size()
+
+
+def test_results_come_back_in_rank_order(capfd):
+    assert kr.run(rank_and_size, args=(10,), kwargs={"offset": 1}, np=3) == [
+        (1, 3), (11, 3), (21, 3)]
+    out = capfd.readouterr().out
+    for rank in range(3):
+        assert f"[{rank}] hello from {rank}" in out
+
+
+def test_a_closure_travels_by_value_and_env_reaches_the_workers():
+    factor = 7
+
+    def job():
+        import os
+
+        import numpy as np
+
+        import keras_ring as kr
+
+        kr.init()
+        total = kr.allgather_object(factor * (kr.rank() + 1))
+        return sum(total), os.environ["KR_RUN_TEST"], np.float32(1).dtype.name
+
+    assert kr.run(job, np=2, env={"KR_RUN_TEST": "yes"}) == [(21, "yes", "float32")] * 2
+
+
+def test_a_workers_exception_is_raised_with_its_rank_and_traceback():
+    def fails_on_one():
+        import keras_ring as kr
+
+        kr.init()
+        if kr.rank() == 1:
+            raise KeyError("missing on rank one")
+        kr.barrier()  # rank 0 waits: its error only follows rank 1's
+
+    with pytest.raises(KeyError, match="missing on rank one") as info:
+        kr.run(fails_on_one, np=2)
+    assert "keras-ring: raised on rank 1 of 2" in info.value.__notes__
+    assert "in fails_on_one" in str(info.value.__cause__)
+    assert "KeyError: 'missing on rank one'" in str(info.value.__cause__)
+
+
+def test_np_is_checked():
+    with pytest.raises(ValueError, match="Received: np=0"):
+        kr.run(print, np=0)
+
+
+def test_interrupting_the_caller_stops_the_workers(tmp_path):
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        import keras_ring as kr
+
+        def sleeper():
+            open(os.path.join({str(tmp_path)!r}, f"pid.{{os.getpid()}}"), "w").close()
+            time.sleep(300)
+
+        try:
+            kr.run(sleeper, np=2)
+        except KeyboardInterrupt:
+            print("caller interrupted", flush=True)
+    """))
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("pid.*"))) < 2:
+        assert time.time() < deadline, "the workers did not start"
+        time.sleep(0.2)
+    caller.send_signal(signal.SIGINT)
+    out, _ = caller.communicate(timeout=60)
+    assert "caller interrupted" in out
+    for pid_file in tmp_path.glob("pid.*"):
+        pid = int(pid_file.name.split(".")[1])
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"worker {pid} still runs after the caller was interrupted")
