@@ -70,7 +70,7 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
     Args:
         comm: Reserved for an mpi4py communicator or a list of world ranks,
             as in Horovod. Only `None` (the whole job) is supported so far.
-        process_sets: `ProcessSet`s (or lists of world ranks) to add right
+        process_sets: `ProcessSet` objects (or lists of world ranks) to add right
             away, as `add_process_set` would; more can be added later.
         fusion_threshold: Bytes up to which allreduces that are ready together
             are fused into one collective (default 64 MiB; 0: no fusion).

@@ -741,7 +741,7 @@ def broadcast_variables(variables, root_rank, name="keras_ring.broadcast_variabl
     rank must pass the same variables in the same order.
 
     Args:
-        variables: A list of `tf.Variable`s or Keras variables.
+        variables: A list of `tf.Variable` objects or Keras variables.
         root_rank: The rank whose values every rank receives.
         name: The prefix of the collectives' names; variable i is `<name>.<i>`.
 
