@@ -77,7 +77,8 @@ class GradientReducer:
             of variables: the gradients of each list share a collective,
             and every other gradient has its own.
         num_groups: Same as an integer `groups`; 0 means unset.
-        process_set: Must be `None`: process sets come later.
+        process_set: Must be `None` (all ranks): gradient reduction does not
+            take a process set yet; the collectives do.
 
     Raises:
         ValueError: If an argument is invalid.
@@ -141,8 +142,9 @@ class GradientReducer:
             )
         if process_set is not None:
             raise ValueError(
-                "keras-ring has no process sets yet (they come later): pass process_set=None "
-                f"to reduce over all ranks. Received: process_set={process_set!r}"
+                f"keras_ring.{api} takes no process sets yet (they come later): pass "
+                "process_set=None to reduce over all ranks; the collectives take process_set=. "
+                f"Received: process_set={process_set!r}"
             )
         self.name = name
         self._api = api

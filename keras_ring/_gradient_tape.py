@@ -31,7 +31,8 @@ class DistributedGradientTape:
         groups: Same as an integer `num_groups`, or a list of lists of
             sources whose gradients share a collective (other gradients
             get one each).
-        process_set: Must be `None` (all ranks); process sets come later.
+        process_set: Must be `None` (all ranks): the tape does not take a
+            process set yet (the collectives do).
 
     Raises:
         TypeError: If `gradtape` is not a `tf.GradientTape`.

@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 
 from keras_ring import _basics
-from keras_ring._process_sets import process_set_id
+from keras_ring._process_sets import describe, process_set_id
 
 # One counter per process set: only its members call its collectives.
 _counters = collections.defaultdict(itertools.count)
@@ -31,10 +31,6 @@ def _run(collective, array, name, process_set=None, **kwargs):
     engine = _basics._engine()
     return engine.submit(getattr(engine, collective), array, name,
                          process_set=process_set_id(process_set), **kwargs).wait()
-
-
-def _rank(process_set):
-    return _basics.rank() if process_set is None else process_set.rank()
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
@@ -56,7 +52,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """
     _basics._require_initialized("broadcast_object()")
     base = _name("broadcast_object", name, process_set)
-    is_root = _rank(process_set) == root_rank
+    is_root = describe(process_set)[2] == root_rank
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if is_root else None
     length = np.array([payload.size if payload is not None else 0], np.int64)
     length = _run("BROADCAST", length, base + ".length", process_set, root_rank=root_rank)

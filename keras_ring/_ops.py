@@ -13,7 +13,7 @@ import warnings
 import tensorflow as tf
 
 from keras_ring import _basics, _compression, _process_sets, _tf_build
-from keras_ring._process_sets import global_process_set
+from keras_ring._process_sets import describe, global_process_set
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
 from keras_ring._reduce_ops import Average, Max, Min, Product, Sum  # noqa: F401
 
@@ -91,14 +91,6 @@ def _reduction(kernel, tensors, compressor, grouped, **attrs):
     return [compressor.decompress(out, ctx) for out, (_, ctx) in zip(outputs, compressed)]
 
 
-def _set_of(process_set):
-    """The engine's id of a `process_set=` argument, and the set's size and this rank in it."""
-    set_id = _process_sets.process_set_id(process_set)
-    if set_id == 0:
-        return 0, _basics.size(), _basics.rank()
-    return set_id, process_set.size(), process_set.rank()
-
-
 def _set_of_op(op):
     """The process set a keras-ring op ran in, for its gradient."""
     return _process_sets.by_id(op.get_attr("process_set_id"))
@@ -172,7 +164,7 @@ def _allreduce_indexed_slices(slices, op, scale, tensor_name, process_set):
             "op=keras_ring.Average or op=keras_ring.Sum. "
             f"Received: op={_REDUCE_OP_NAMES[op]}"
         )
-    set_id, set_size, _ = _set_of(process_set)
+    set_id, set_size, _ = describe(process_set)
     values = _allgather(slices.values, tensor_name and f"{tensor_name}.values", set_id)
     indices = _allgather(slices.indices, tensor_name and f"{tensor_name}.indices", set_id)
     if op == Average:
@@ -253,7 +245,7 @@ def allreduce(
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
             tensor_name=tensor_name,
-            process_set_id=_set_of(process_set)[0],
+            process_set_id=describe(process_set)[0],
         )[0]
 
 
@@ -313,7 +305,7 @@ def grouped_allreduce(
     op, compressor, prescale_factor, postscale_factor = _reduce_args(
         op, average, compression, prescale_factor, postscale_factor
     )
-    set_id = _set_of(process_set)[0]
+    set_id = describe(process_set)[0]
     tensor_name = _tensor_name(name, ignore_name_scope)
     tensors = list(tensors)
     results = [None] * len(tensors)
@@ -378,7 +370,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     >>> keras_ring.allgather(tf.fill([keras_ring.rank() + 1], keras_ring.rank()))
     """
     _basics._require_initialized("allgather()")
-    return _allgather(tensor, _tensor_name(name, ignore_name_scope), _set_of(process_set)[0])
+    return _allgather(tensor, _tensor_name(name, ignore_name_scope), describe(process_set)[0])
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
@@ -409,7 +401,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     >>> keras_ring.broadcast(tf.random.normal([3]), root_rank=0)
     """
     _basics._require_initialized("broadcast()")
-    set_id, size, _ = _set_of(process_set)
+    set_id, size, _ = describe(process_set)
     if (
         isinstance(root_rank, bool)
         or not isinstance(root_rank, numbers.Integral)
@@ -459,7 +451,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     >>> keras_ring.grouped_allgather([tf.ones([2, 3]), tf.range(keras_ring.rank() + 1)])
     """
     _basics._require_initialized("grouped_allgather()")
-    set_id = _set_of(process_set)[0]
+    set_id = describe(process_set)[0]
     tensor_name = _tensor_name(name, ignore_name_scope)
     tensors = [
         _to_tensor(t, "grouped_allgather") for t in _tensor_list(tensors, "grouped_allgather")
@@ -535,7 +527,7 @@ def reducescatter(
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
             tensor_name=tensor_name,
-            process_set_id=_set_of(process_set)[0],
+            process_set_id=describe(process_set)[0],
         )[0]
 
 
@@ -593,7 +585,7 @@ def grouped_reducescatter(
     op, compressor, prescale_factor, postscale_factor = _reduce_args(
         op, None, compression, prescale_factor, postscale_factor
     )
-    set_id = _set_of(process_set)[0]
+    set_id = describe(process_set)[0]
     tensor_name = _tensor_name(name, ignore_name_scope)
     tensors = _tensor_list(tensors, "grouped_reducescatter")
     with tf.device(device_dense):
@@ -726,7 +718,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     _basics._require_initialized("alltoall()")
     tensor_name = _tensor_name(name, ignore_name_scope)
     tensor = _dense_input(tensor, "alltoall")
-    set_id, set_size, _ = _set_of(process_set)
+    set_id, set_size, _ = describe(process_set)
     output, received_splits = _alltoall(
         tensor, _alltoall_splits(splits, tensor, set_size), tensor_name, set_id, set_size
     )
@@ -798,7 +790,7 @@ def _allgather_grad(op, grad):
     process_set = _set_of_op(op)
     grad = allreduce(tf.convert_to_tensor(grad), op=Sum, process_set=process_set)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
-    offset = tf.reduce_sum(allgather(rows, process_set=process_set)[: _set_of(process_set)[2]])
+    offset = tf.reduce_sum(allgather(rows, process_set=process_set)[: describe(process_set)[2]])
     return grad[offset : offset + rows[0]]
 
 
@@ -807,7 +799,7 @@ def _broadcast_grad(op, grad):
     # Only the root's input reaches the outputs (horovod's definition).
     process_set = _set_of_op(op)
     reduced = allreduce(tf.convert_to_tensor(grad), op=Sum, process_set=process_set)
-    if _set_of(process_set)[2] == op.get_attr("root_rank"):
+    if describe(process_set)[2] == op.get_attr("root_rank"):
         return reduced
     return tf.zeros_like(reduced)
 
@@ -840,7 +832,7 @@ def _reducescatter_gradient_scale(op, api):
     reduction = _gradient_reduction(op, api)
     scale = reduction["prescale_factor"] * reduction["postscale_factor"]
     if reduction["op"] == Average:
-        scale /= _set_of(reduction["process_set"])[1]
+        scale /= describe(reduction["process_set"])[1]
     return scale
 
 
@@ -874,7 +866,7 @@ def _grouped_allgather_grad(op, *grads):
     summed = grouped_allreduce(values, op=Sum, process_set=process_set)
     rows = tf.stack([tf.shape(op.inputs[i], out_type=tf.int64)[0] for i in indices])
     gathered = allgather(rows[tf.newaxis], process_set=process_set)
-    offsets = tf.reduce_sum(gathered[: _set_of(process_set)[2]], axis=0)
+    offsets = tf.reduce_sum(gathered[: describe(process_set)[2]], axis=0)
     for k, (i, g) in enumerate(zip(indices, summed)):
         results[i] = g[offsets[k] : offsets[k] + rows[k]]
     return results
@@ -886,6 +878,6 @@ def _alltoall_grad(op, grad, _received_splits_grad):
     # rows go back the way they came, received_splits[j] of them to rank j.
     if grad is None:
         return [None, None]
-    set_id, set_size, _ = _set_of(_set_of_op(op))
+    set_id, set_size, _ = describe(_set_of_op(op))
     output, _ = _alltoall(tf.convert_to_tensor(grad), op.outputs[1], "", set_id, set_size)
     return [output, None]

@@ -255,7 +255,8 @@ def DistributedOptimizer(
             of variables (the gradients of each list share a collective;
             other gradients get one each).
         num_groups: Same as an integer `groups` (Horovod's older name).
-        process_set: Must be `None` (all ranks); process sets come later.
+        process_set: Must be `None` (all ranks): the optimizer does not take a
+            process set yet (the collectives do).
 
     Returns:
         The distributed optimizer: `optimizer` itself, or the

@@ -94,6 +94,14 @@ def process_set_id(process_set):
     return process_set.process_set_id
 
 
+def describe(process_set):
+    """The engine's id of a `process_set=` argument, the set's size and this rank in it."""
+    set_id = process_set_id(process_set)
+    if set_id == 0:
+        return 0, _basics.size(), _basics.rank()
+    return set_id, process_set.size(), process_set.rank()
+
+
 def by_id(set_id):
     """The registered `ProcessSet` with this id (0: the global one)."""
     if set_id == 0:

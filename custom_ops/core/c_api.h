@@ -126,8 +126,10 @@ typedef struct kr_stats {
  * KERAS_RING_FUSION_THRESHOLD (bytes, default 64 MiB, 0 disables fusion),
  * KERAS_RING_CYCLE_TIME (milliseconds, default 0: how long agreed tensors
  * wait for others to fuse with, unless the threshold is reached first),
- * KERAS_RING_STALL_CHECK_TIME (seconds, default 60, 0 disables the report of
- * tensors some ranks wait for), KERAS_RING_STALL_SHUTDOWN_TIME (seconds,
+ * KERAS_RING_CACHE_CAPACITY (tensor names, default 1024, 0 disables the
+ * response cache), KERAS_RING_STALL_CHECK_TIME (seconds, default 60, 0
+ * disables the report of tensors some ranks wait for),
+ * KERAS_RING_STALL_SHUTDOWN_TIME (seconds,
  * default 0 = never: after it, a stalled tensor fails on the waiting ranks). */
 KR_API kr_status kr_init(char* err, size_t err_len);
 /* Stops the engine of every rank: pending requests, here and on the other

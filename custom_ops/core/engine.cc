@@ -347,16 +347,16 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
     return false;
   };
   auto found = sets_.find(req.process_set);
-  const std::string set_name = "process set " + std::to_string(req.process_set);
+  auto set_name = [&] { return "process set " + std::to_string(req.process_set); };
   if (found == sets_.end()) {
-    return refuse(set_name + " does not exist (add_process_set() returns the ids; a removed "
+    return refuse(set_name() + " does not exist (add_process_set() returns the ids; a removed "
                   "set is gone)");
   }
   ProcessSet& set = found->second;
   if (set.rank < 0) {
     std::string ranks;
     for (int r : set.ranks) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-    return refuse("rank " + std::to_string(topology_.rank) + " is not in " + set_name +
+    return refuse("rank " + std::to_string(topology_.rank) + " is not in " + set_name() +
                   " (ranks [" + ranks + "])");
   }
   // Arguments that may be wrong on one rank only: every rank fails the name.
@@ -364,11 +364,11 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
   if (m.collective == Collective::kBroadcast && (m.root_rank < 0 || m.root_rank >= set.size())) {
     m.error = "root_rank " + std::to_string(m.root_rank) + " is outside [0, " +
               std::to_string(set.size()) + ")" +
-              (req.process_set ? " (ranks within " + set_name + ")" : "");
+              (req.process_set ? " (ranks within " + set_name() + ")" : "");
   }
   if (m.collective == Collective::kAlltoall) m.error = CheckSplits(m.splits, m.shape[0], set.size());
   if (set.joined) {
-    return refuse("rank " + std::to_string(topology_.rank) + " has joined " + set_name +
+    return refuse("rank " + std::to_string(topology_.rank) + " has joined " + set_name() +
                   "; until every rank has joined it takes part in the others' collectives "
                   "with zeros and may not submit its own");
   }

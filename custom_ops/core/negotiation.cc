@@ -327,13 +327,15 @@ void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
 std::string Coordinator::Disagreement(const std::string& name, const Entry& e) const {
   int first_rank = std::find(e.present.begin(), e.present.end(), true) - e.present.begin();
   const TensorMeta& first = e.metas[first_rank];
-  std::ostringstream s;
+  // Built only when there is something to say: this runs for every new name.
+  std::string invalid;
   for (int r = 0; r < size_; ++r) {
     if (!e.present[r] || e.metas[r].error.empty()) continue;
-    s << (s.tellp() > 0 ? "; " : "keras-ring: " + label_ + "tensor '" + name + "' is invalid on ")
-      << "rank " << WorldRank(r) << ": " << e.metas[r].error;
+    invalid += (invalid.empty() ? "keras-ring: " + label_ + "tensor '" + name + "' is invalid on "
+                                : std::string("; ")) +
+               "rank " + std::to_string(WorldRank(r)) + ": " + e.metas[r].error;
   }
-  if (s.tellp() > 0) return s.str();
+  if (!invalid.empty()) return invalid;
   bool agree = true;
   for (int r = first_rank + 1; r < size_ && agree; ++r) {
     if (!e.present[r]) continue;
@@ -366,6 +368,7 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
     }
   }
   if (!agree) {
+    std::ostringstream s;
     s << "keras-ring: " << label_ << "ranks disagree on tensor '" << name << "':";
     for (int r = 0; r < size_; ++r) {
       s << (r ? ";" : "") << " rank " << WorldRank(r) << " sent "
@@ -388,6 +391,7 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
     why = "every rank must call it";
   }
   if (why.empty()) return "";
+  std::ostringstream s;
   s << "keras-ring: " << label_ << "tensor '" << name << "' (" << first.Describe()
     << ") cannot run while ranks [" << RankList(e.present, false) << "] have joined: " << why;
   return s.str();
