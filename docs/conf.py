@@ -1,11 +1,14 @@
-"""Sphinx configuration of the keras-ring docs: Markdown pages (MyST) and an API reference
-generated from the docstrings of the installed package."""
+"""Sphinx configuration of the keras-ring docs: Markdown pages and tutorial notebooks (MyST-NB),
+and an API reference generated from the docstrings of the installed package."""
 
 project = "keras-ring"
 author = "keras-ring developers"
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
-source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build"]
+# myst_nb reads Markdown (it brings myst_parser) and notebooks.
+extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+# The notebooks are shown as stored; the test suite executes them
+# (tests/test_tutorials.py), so the docs build stays fast.
+nb_execution_mode = "off"
 html_theme = "alabaster"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -31,7 +34,7 @@ def _markdown_to_rst(app, what, name, obj, options, lines):
             fence_indent = None
             out.append("")
         elif fence_indent is not None:
-            out.append(f"{fence_indent}   {line[len(fence_indent):]}" if line.strip() else "")
+            out.append(f"{fence_indent}   {line[len(fence_indent) :]}" if line.strip() else "")
         else:
             out.append(_INLINE.sub(r"``\1``", line))
     lines[:] = out
