@@ -93,10 +93,12 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
 
     Example:
 
-    >>> import keras_ring as kr
-    >>> kr.init()
-    >>> kr.rank(), kr.size()
-    (0, 1)
+    ```python
+    import keras_ring as kr
+
+    kr.init()  # under `keras-ring-run -np 2`: rank 0 or 1, size 2
+    print(f"rank {kr.rank()} of {kr.size()}")
+    ```
     """
     global _topology, _exit_hook_registered
     if comm is not None:
@@ -150,6 +152,15 @@ def shutdown():
     """Stops the engine. Collective: returns once every rank has called it.
 
     Operations still pending fail with an error. `init()` may be called again.
+    Calling it is optional: the engine shuts down when the process exits.
+
+    Example:
+
+    ```python
+    kr.init()
+    model.fit(dataset, epochs=5)
+    kr.shutdown()
+    ```
     """
     global _topology
     with _lock:
@@ -168,7 +179,15 @@ def _at_exit():
 
 
 def is_initialized():
-    """Returns True between `init()` and `shutdown()`."""
+    """Returns True between `init()` and `shutdown()`.
+
+    Example:
+
+    ```python
+    if not kr.is_initialized():
+        kr.init()
+    ```
+    """
     return _topology is not None
 
 
@@ -182,62 +201,190 @@ def _require_initialized(what):
 
 
 def rank():
-    """Returns this process's rank in the job, 0 to `size() - 1`."""
+    """Returns this process's rank in the job, 0 to `size() - 1`.
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    if kr.rank() == 0:
+        model.save("model.keras")  # one file, written by one rank
+    ```
+    """
     return _require_initialized("rank()")["rank"]
 
 
 def size():
-    """Returns the number of processes in the job."""
+    """Returns the number of processes in the job.
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    optimizer = keras.optimizers.Adam(1e-3 * kr.size())  # the global batch grows with size
+    ```
+    """
     return _require_initialized("size()")["size"]
 
 
 def local_rank():
-    """Returns this process's rank among the processes on its host."""
+    """Returns this process's rank among the processes on its host.
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    # One GPU per process on a host with several:
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_visible_devices(gpus[kr.local_rank()], "GPU")
+    ```
+    """
     return _require_initialized("local_rank()")["local_rank"]
 
 
 def local_size():
-    """Returns the number of processes on this process's host."""
+    """Returns the number of processes on this process's host.
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    # Share the host's cores between its processes.
+    tf.config.threading.set_intra_op_parallelism_threads(
+        max(1, os.cpu_count() // kr.local_size()))
+    ```
+    """
     return _require_initialized("local_size()")["local_size"]
 
 
 def cross_rank():
-    """Returns the index of this process's host among hosts (ranks of equal `local_rank`)."""
+    """Returns the index of this process's host among hosts (ranks of equal `local_rank`).
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    print(f"host {kr.cross_rank()} of {kr.cross_size()}, local rank {kr.local_rank()}")
+    ```
+    """
     return _require_initialized("cross_rank()")["cross_rank"]
 
 
 def cross_size():
-    """Returns the number of hosts that have a process with this `local_rank`."""
+    """Returns the number of hosts that have a process with this `local_rank`.
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    if kr.local_rank() == 0:
+        print(f"{kr.cross_size()} hosts")
+    ```
+    """
     return _require_initialized("cross_size()")["cross_size"]
 
 
 def is_homogeneous():
-    """Returns True if every host runs the same number of processes."""
+    """Returns True if every host runs the same number of processes.
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    if not kr.is_homogeneous():
+        print("hosts run different numbers of ranks")
+    ```
+    """
     return _require_initialized("is_homogeneous()")["is_homogeneous"]
 
 
 def mpi_threads_supported():
-    """Returns True if MPI runs with MPI_THREAD_MULTIPLE."""
+    """Returns True if MPI runs with MPI_THREAD_MULTIPLE.
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    print(kr.mpi_threads_supported())
+    ```
+    """
     return _require_initialized("mpi_threads_supported()")["mpi_threads_supported"]
 
 
 def mpi_built():
-    """Returns True: keras-ring is always built with MPI."""
+    """Returns True: keras-ring is always built with MPI.
+
+    Example:
+
+    ```python
+    assert kr.mpi_built()
+    ```
+    """
     return True
 
 
 def mpi_enabled():
-    """Returns True if MPI carries this job (always, once initialised)."""
+    """Returns True if MPI carries this job (always, once initialised).
+
+    Raises:
+        ValueError: If keras-ring is not initialised.
+
+    Example:
+
+    ```python
+    kr.init()
+    assert kr.mpi_enabled()
+    ```
+    """
     return _require_initialized("mpi_enabled()") is not None
 
 
 def nccl_built():
-    """Returns False: GPU collectives through NCCL are not built yet."""
+    """Returns False: GPU collectives through NCCL are not built yet.
+
+    Example:
+
+    ```python
+    device = "GPU" if kr.nccl_built() else "CPU"
+    ```
+    """
     return False
 
 
 def cuda_built():
-    """Returns False: CUDA kernels are not built yet."""
+    """Returns False: CUDA kernels are not built yet.
+
+    Example:
+
+    ```python
+    print(kr.cuda_built())  # False
+    ```
+    """
     return False
 
 

@@ -80,8 +80,11 @@ class Compression:
 
     Example:
 
-    >>> opt = keras_ring.DistributedOptimizer(
-    ...     keras.optimizers.SGD(0.1), compression=keras_ring.Compression.fp16)
+    ```python
+    optimizer = kr.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), compression=kr.Compression.fp16)
+    total = kr.allreduce(tensor, op=kr.Sum, compression=kr.Compression.bf16)
+    ```
     """
 
     none = NoneCompressor

@@ -35,10 +35,14 @@ def shard_dataset(dataset, drop_remainder=False):
 
     Example:
 
-    >>> kr.init()
-    >>> dataset = tf.data.Dataset.range(10)
-    >>> dataset = kr.shard_dataset(dataset, drop_remainder=True)
-    >>> dataset = dataset.shuffle(10).batch(2, drop_remainder=True)
+    ```python
+    kr.init()
+    dataset = tf.data.Dataset.range(10)
+    dataset = kr.shard_dataset(dataset, drop_remainder=True)  # 3 ranks: 3 elements each
+    dataset = dataset.shuffle(10).batch(2, drop_remainder=True)
+    # Or within a pipeline:
+    dataset = tf.data.Dataset.range(10).apply(kr.shard_dataset).batch(2)
+    ```
     """
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"`dataset` must be a tf.data.Dataset. Received: dataset={dataset!r}")
@@ -76,7 +80,9 @@ def rank_zero_verbose(verbose=1):
 
     Example:
 
-    >>> kr.init()
-    >>> model.fit(x, y, epochs=5, verbose=kr.rank_zero_verbose(1))
+    ```python
+    kr.init()
+    model.fit(x, y, epochs=5, verbose=kr.rank_zero_verbose(1))
+    ```
     """
     return verbose if _basics.rank() == 0 else 0

@@ -41,12 +41,18 @@ class DistributedGradientTape:
 
     Example:
 
-    >>> keras_ring.init()
-    >>> with tf.GradientTape() as tape:
-    ...     loss = loss_fn(y, model(x, training=True))
-    >>> tape = keras_ring.DistributedGradientTape(tape)
-    >>> grads = tape.gradient(loss, model.trainable_variables)
-    >>> optimizer.apply(grads, model.trainable_variables)
+    ```python
+    kr.init()
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = kr.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+    ```
     """
 
     def __init__(

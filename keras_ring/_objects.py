@@ -48,7 +48,11 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
 
     Example:
 
-    >>> config = kr.broadcast_object({"lr": 0.1} if kr.rank() == 0 else None)
+    ```python
+    # Rank 0 decides; every rank receives its choice.
+    config = {"lr": 0.1, "seed": 1234} if kr.rank() == 0 else None
+    config = kr.broadcast_object(config, root_rank=0)
+    ```
     """
     _basics._require_initialized("broadcast_object()")
     base = _name("broadcast_object", name, process_set)
@@ -76,7 +80,11 @@ def allgather_object(obj, name=None, process_set=None):
 
     Example:
 
-    >>> hosts = kr.allgather_object(socket.gethostname())
+    ```python
+    hosts = kr.allgather_object(socket.gethostname())
+    if kr.rank() == 0:
+        print(f"ranks per host: {collections.Counter(hosts)}")
+    ```
     """
     _basics._require_initialized("allgather_object()")
     base = _name("allgather_object", name, process_set)
@@ -108,9 +116,11 @@ def join(process_set=None):
 
     Example:
 
-    >>> for batch in my_shard:          # shards of different lengths
-    ...     train_step(batch)
-    >>> kr.join()                       # the others may still be stepping
+    ```python
+    for x, y in my_shard:  # shards of different lengths
+        train_step(x, y)   # its gradient allreduce: with zeros from ranks that joined
+    last = kr.join()       # waits while the other ranks still step
+    ```
     """
     _basics._require_initialized("join()")
     return int(_run("JOIN", np.zeros((), np.int32), "keras_ring.join", process_set))
@@ -126,6 +136,14 @@ def barrier(name=None, process_set=None):
         name: Matches the call across ranks; by default the call order does.
         process_set: Wait for this `ProcessSet`'s members only; default:
             every rank.
+
+    Example:
+
+    ```python
+    if kr.rank() == 0:
+        download_dataset()  # rank 0 fetches, the others wait for it
+    kr.barrier()
+    ```
     """
     _basics._require_initialized("barrier()")
     _run("ALLREDUCE", np.empty(0, np.float32), _name("barrier", name, process_set), process_set)

@@ -222,8 +222,11 @@ def allreduce(
 
     Example:
 
-    >>> keras_ring.init()
-    >>> keras_ring.allreduce(tf.constant([1.0, 2.0]), op=keras_ring.Sum)
+    ```python
+    kr.init()
+    total = kr.allreduce(tf.constant([1.0, 2.0]), op=kr.Sum)  # 2 ranks: [2.0, 4.0]
+    mean_loss = kr.allreduce(loss, op=kr.Average, name="loss")
+    ```
     """
     _basics._require_initialized("allreduce()")
     op, compressor, prescale_factor, postscale_factor = _reduce_args(
@@ -298,8 +301,12 @@ def grouped_allreduce(
 
     Example:
 
-    >>> keras_ring.init()
-    >>> keras_ring.grouped_allreduce([tf.ones([2]), tf.ones([3], tf.int32)])
+    ```python
+    kr.init()
+    # One collective for both tensors, whatever their dtypes.
+    a, b = kr.grouped_allreduce([tf.ones([2]), tf.ones([3], tf.int32)], op=kr.Sum)
+    # 2 ranks: a == [2.0, 2.0], b == [2, 2, 2]
+    ```
     """
     _basics._require_initialized("grouped_allreduce()")
     op, compressor, prescale_factor, postscale_factor = _reduce_args(
@@ -366,8 +373,11 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
     Example:
 
-    >>> keras_ring.init()
-    >>> keras_ring.allgather(tf.fill([keras_ring.rank() + 1], keras_ring.rank()))
+    ```python
+    kr.init()
+    gathered = kr.allgather(tf.fill([kr.rank() + 1], kr.rank()))
+    # 2 ranks: [0, 1, 1] (rank 0's one row, then rank 1's two)
+    ```
     """
     _basics._require_initialized("allgather()")
     return _allgather(tensor, _tensor_name(name, ignore_name_scope), describe(process_set)[0])
@@ -397,8 +407,11 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 
     Example:
 
-    >>> keras_ring.init()
-    >>> keras_ring.broadcast(tf.random.normal([3]), root_rank=0)
+    ```python
+    kr.init()
+    seed = kr.broadcast(tf.random.uniform([], maxval=2**31 - 1, dtype=tf.int64), root_rank=0)
+    # Every rank now holds rank 0's random number.
+    ```
     """
     _basics._require_initialized("broadcast()")
     set_id, size, _ = describe(process_set)
@@ -447,8 +460,11 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
 
     Example:
 
-    >>> keras_ring.init()
-    >>> keras_ring.grouped_allgather([tf.ones([2, 3]), tf.range(keras_ring.rank() + 1)])
+    ```python
+    kr.init()
+    a, b = kr.grouped_allgather([tf.ones([2, 3]), tf.range(kr.rank() + 1)])
+    # 2 ranks: a has shape [4, 3]; b == [0, 0, 1]
+    ```
     """
     _basics._require_initialized("grouped_allgather()")
     set_id = describe(process_set)[0]
@@ -509,8 +525,11 @@ def reducescatter(
 
     Example:
 
-    >>> keras_ring.init()
-    >>> keras_ring.reducescatter(tf.ones([2 * keras_ring.size(), 3]), op=keras_ring.Sum)
+    ```python
+    kr.init()
+    part = kr.reducescatter(tf.ones([2 * kr.size(), 3]), op=kr.Sum)
+    # Each rank gets 2 rows of the sum: shape [2, 3], every entry kr.size()
+    ```
     """
     _basics._require_initialized("reducescatter()")
     op, compressor, prescale_factor, postscale_factor = _reduce_args(
@@ -577,9 +596,12 @@ def grouped_reducescatter(
 
     Example:
 
-    >>> keras_ring.init()
-    >>> n = keras_ring.size()
-    >>> keras_ring.grouped_reducescatter([tf.ones([n, 2]), tf.ones([2 * n], tf.int32)])
+    ```python
+    kr.init()
+    n = kr.size()
+    a, b = kr.grouped_reducescatter([tf.ones([n, 2]), tf.ones([2 * n], tf.int32)], op=kr.Sum)
+    # Each rank: a has shape [1, 2], b shape [2], every entry n
+    ```
     """
     _basics._require_initialized("grouped_reducescatter()")
     op, compressor, prescale_factor, postscale_factor = _reduce_args(
@@ -711,9 +733,13 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
     Example:
 
-    >>> keras_ring.init()
-    >>> n = keras_ring.size()
-    >>> output, received = keras_ring.alltoall(tf.range(2 * n), splits=[2] * n)
+    ```python
+    kr.init()
+    n = kr.size()
+    # Rank r sends elements 2i and 2i + 1 of its tensor to rank i.
+    output, received = kr.alltoall(tf.range(2 * n) + 100 * kr.rank(), splits=[2] * n)
+    # 2 ranks, rank 0: output == [0, 1, 100, 101], received == [2, 2]
+    ```
     """
     _basics._require_initialized("alltoall()")
     tensor_name = _tensor_name(name, ignore_name_scope)
@@ -739,7 +765,11 @@ def broadcast_variables(variables, root_rank, name="keras_ring.broadcast_variabl
 
     Example:
 
-    >>> keras_ring.broadcast_variables(model.weights, root_rank=0)
+    ```python
+    kr.init()
+    optimizer.build(model.trainable_variables)
+    kr.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
+    ```
     """
     for i, variable in enumerate(variables):
         variable.assign(broadcast(variable, root_rank, name=f"{name}.{i}",

@@ -271,10 +271,12 @@ def DistributedOptimizer(
 
     Example:
 
-    >>> keras_ring.init()
-    >>> opt = keras.optimizers.Adam(0.001 * keras_ring.size())
-    >>> opt = keras_ring.DistributedOptimizer(opt)
-    >>> model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    ```python
+    kr.init()
+    optimizer = kr.DistributedOptimizer(keras.optimizers.Adam(0.001 * kr.size()))
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    model.fit(x, y, callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)])
+    ```
     """
     _check_optimizer(optimizer)
     check_no_strategy("DistributedOptimizer")
@@ -340,9 +342,11 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
 
     Example:
 
-    >>> keras_ring.init()
-    >>> model = keras_ring.load_model("model.keras")
-    >>> model.fit(x, y, initial_epoch=3)
+    ```python
+    kr.init()
+    model = kr.load_model("model.keras")  # saved by rank 0 after epoch 3
+    model.fit(x, y, epochs=10, initial_epoch=3)
+    ```
     """
     check_no_strategy("load_model")
     objects = {cls.__name__: cls for cls in custom_optimizers or ()}

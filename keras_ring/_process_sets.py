@@ -23,9 +23,12 @@ class ProcessSet:
 
     Example:
 
-    >>> evens = kr.add_process_set(kr.ProcessSet(range(0, kr.size(), 2)))
-    >>> if evens.included():
-    ...     kr.allreduce(x, process_set=evens)
+    ```python
+    # Every rank adds the set; only its members run its collectives.
+    evens = kr.add_process_set(kr.ProcessSet(range(0, kr.size(), 2)))
+    if evens.included():
+        total = kr.allreduce(x, op=kr.Sum, process_set=evens)
+    ```
     """
 
     def __init__(self, ranks):
@@ -68,7 +71,17 @@ class ProcessSet:
 
 
 class _GlobalProcessSet(ProcessSet):
-    """Every rank of the job; its ranks are known once keras-ring is initialised."""
+    """Every rank of the job; its ranks are known once keras-ring is initialised.
+
+    The default `process_set=` of the collectives.
+
+    Example:
+
+    ```python
+    kr.init()
+    assert kr.global_process_set.size() == kr.size()
+    ```
+    """
 
     def __init__(self):
         self.process_set_id = 0
@@ -127,7 +140,10 @@ def add_process_set(process_set):
 
     Example:
 
-    >>> first_two = kr.add_process_set([0, 1])
+    ```python
+    kr.init()
+    first_two = kr.add_process_set([0, 1])  # called on every rank, members or not
+    ```
     """
     _basics._require_initialized("add_process_set()")
     if not isinstance(process_set, ProcessSet):
@@ -152,7 +168,9 @@ def remove_process_set(process_set):
 
     Example:
 
-    >>> kr.remove_process_set(first_two)
+    ```python
+    kr.remove_process_set(first_two)  # called on every rank
+    ```
     """
     if isinstance(process_set, _GlobalProcessSet):
         raise ValueError("keras-ring: the global process set cannot be removed")

@@ -57,12 +57,15 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, env=None):
 
     Example:
 
-    >>> def train(lr):
-    ...     import keras_ring as kr
-    ...     kr.init()
-    ...     return kr.rank(), lr * kr.size()
-    >>> kr.run(train, args=(0.1,), np=2)
-    [(0, 0.2), (1, 0.2)]
+    ```python
+    def train(lr):
+        import keras_ring as kr
+
+        kr.init()
+        return kr.rank(), lr * kr.size()
+
+    kr.run(train, args=(0.1,), np=2)  # [(0, 0.2), (1, 0.2)]
+    ```
     """
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise ValueError(f"`np` must be a positive integer. Received: np={np!r}")

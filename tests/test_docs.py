@@ -3,9 +3,11 @@ the tutorial notebooks are rendered as stored (tests/test_tutorials.py executes 
 
 import glob
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
+import types
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
 TUTORIALS = glob.glob(os.path.join(DOCS, "tutorials", "*.ipynb"))
@@ -67,3 +69,23 @@ def test_ring_diagram_is_the_scripts_output():
         assert f.read() == script.svg()
     final_state = list(script.schedule())[-1][1]
     assert all(block == set(range(script.P)) for row in final_state for block in row)
+
+
+def test_every_public_symbol_has_a_docstring_with_an_example():
+    # Keras style: an "Example:" section with a ```python fence. The reduce ops
+    # are plain integers, described in docs/api.md.
+    import keras_ring
+    import keras_ring.callbacks
+
+    symbols = [(f"keras_ring.{name}", getattr(keras_ring, name)) for name in keras_ring.__all__]
+    symbols += [
+        (f"keras_ring.callbacks.{name}", getattr(keras_ring.callbacks, name))
+        for name in keras_ring.callbacks.__all__
+    ]
+    missing = [
+        name
+        for name, symbol in symbols
+        if not isinstance(symbol, (int, types.ModuleType))
+        and not ("Example:" in (doc := inspect.getdoc(symbol) or "") and "```python" in doc)
+    ]
+    assert not missing

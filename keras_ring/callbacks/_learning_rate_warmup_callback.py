@@ -48,7 +48,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     ```python
     kr.init()
-    optimizer = keras.optimizers.SGD(0.01 * kr.size(), momentum=0.9)
+    optimizer = kr.DistributedOptimizer(keras.optimizers.SGD(0.01 * kr.size(), momentum=0.9))
     callbacks = [
         kr.callbacks.BroadcastGlobalVariablesCallback(0),
         kr.callbacks.LearningRateWarmupCallback(0.01 * kr.size(), warmup_epochs=3, verbose=1),
