@@ -9,6 +9,8 @@ exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 # The notebooks are shown as stored; the test suite executes them
 # (tests/test_tutorials.py), so the docs build stays fast.
 nb_execution_mode = "off"
+# Worker output arrives line by line; show each cell's output as one block.
+nb_merge_streams = True
 html_theme = "alabaster"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
