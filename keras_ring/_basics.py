@@ -296,8 +296,7 @@ def cross_size():
 
     ```python
     kr.init()
-    if kr.local_rank() == 0:
-        print(f"{kr.cross_size()} hosts")
+    hosts = kr.cross_size()  # on a homogeneous job: kr.size() // kr.local_size()
     ```
     """
     return _require_initialized("cross_size()")["cross_size"]
