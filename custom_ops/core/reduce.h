@@ -1,5 +1,17 @@
-// Element-wise reduction and scaling kernels for every dtype. Half types
-// (float16, bfloat16) are computed in float32 and rounded once per call.
+// Element-wise reduction, scaling and conversion kernels for every dtype.
+// Half types (float16, bfloat16) are computed in float32 and rounded once per
+// call.
+//
+// The kernels come in levels, chosen at run time so that one build runs on any
+// CPU: generic (plain C++, any CPU), avx2 (AVX2 and F16C) and avx512 (AVX-512
+// F, BW, DQ and VL); the x86 levels exist in x86-64 builds made with GCC.
+// Every level gives bit-identical results for every dtype, op and input, NaN
+// included (reduce_test.cc checks every level against the generic one), so
+// the level is a matter of speed only. One exception: scaling by a NaN factor
+// gives NaN everywhere on every level, but where the buffer holds NaNs too,
+// the sign and payload of the result may differ, because x86 returns the
+// first NaN operand and each level's code may order x * factor either way. A call uses the level passed, by
+// default the one in use: the best the CPU has, until UseKernelLevel.
 #pragma once
 
 #include <cstddef>
@@ -9,13 +21,36 @@
 
 namespace keras_ring {
 
+enum class KernelLevel : int { kGeneric, kAvx2, kAvx512 };
+
+const char* KernelLevelName(KernelLevel level);  // "generic", "avx2", "avx512"
+// The level named by text, with strtol's contract: *end points past the name,
+// or at text when text names no level. Fits engine.cc's Setting<>.
+KernelLevel ParseKernelLevel(const char* text, char** end);
+bool CpuSupports(KernelLevel level);
+KernelLevel BestKernelLevel();
+KernelLevel KernelLevelInUse();
+// Makes `level` the one in use, for the whole process. Throws EngineError,
+// naming what the CPU can run, if it cannot run `level`.
+void UseKernelLevel(KernelLevel level);
+
 // dst[i] = dst[i] (op) src[i]. op must not be kAverage (callers reduce with
 // kSum and post-scale). Integer Sum and Product wrap around as in NumPy.
-void ReduceInto(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op);
+// Min and Max propagate NaN, as numpy.minimum/maximum do.
+void ReduceInto(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op,
+                KernelLevel level = KernelLevelInUse());
 
 // buf[i] = buf[i] * factor, computed in double (float for half types) and
 // converted back; integers truncate toward zero. factor == 1 is a no-op.
-void ScaleBuffer(void* buf, size_t count, DataType dtype, double factor);
+void ScaleBuffer(void* buf, size_t count, DataType dtype, double factor,
+                 KernelLevel level = KernelLevelInUse());
+
+// dst[i] = src[i] converted, between float32 or float64 and float16 or
+// bfloat16 (either way), exactly as the scalar conversions below. float64
+// goes through float32: rounding twice, so a float64 within float32's
+// rounding error of a tie between two halves may round the other way.
+void ConvertBuffer(void* dst, DataType dst_dtype, const void* src, DataType src_dtype,
+                   size_t count, KernelLevel level = KernelLevelInUse());
 
 // IEEE binary16 and bfloat16 conversions, round to nearest even; NaN stays NaN.
 uint16_t FloatToHalf(float f);

@@ -1,8 +1,14 @@
-// Reduce and scale kernels against the scalar references of test_util.h, and
-// the half conversions against known bit patterns and a slow reference.
+// Reduce and scale kernels against the scalar references of test_util.h, the
+// half conversions against known bit patterns and a slow reference, and every
+// kernel level the CPU has against the generic one, bit for bit.
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "../core/reduce.h"
 #include "harness.h"
@@ -12,10 +18,14 @@ namespace kr_test {
 namespace {
 
 using keras_ring::BFloat16ToFloat;
+using keras_ring::ConvertBuffer;
+using keras_ring::CpuSupports;
 using keras_ring::EngineError;
 using keras_ring::FloatToBFloat16;
 using keras_ring::FloatToHalf;
 using keras_ring::HalfToFloat;
+using keras_ring::KernelLevel;
+using keras_ring::KernelLevelName;
 using keras_ring::ReduceInto;
 using keras_ring::ScaleBuffer;
 
@@ -298,6 +308,266 @@ KR_TEST(HalfConversionsMatchReference) {
 
 KR_TEST(BFloat16ConversionsMatchReference) {
   CheckNarrowConversions<BFloat16>(BFloat16ToFloat, FloatToBFloat16);
+}
+
+// Every kernel level against the generic one.
+
+constexpr KernelLevel kWiderLevels[] = {KernelLevel::kAvx2, KernelLevel::kAvx512};
+
+// Element counts around the vector widths, the 64-element loop blocks and the
+// 256-element half blocks, and larger odd ones.
+constexpr size_t kLevelCounts[] = {0, 1, 7, 15, 16, 17, 63, 64, 65, 257, 1000, 4097};
+
+template <typename S>
+S FromBits(uint64_t bits) {
+  S v;
+  std::memcpy(&v, &bits, sizeof v);  // the low bytes, on this little-endian target
+  return v;
+}
+
+// The special values of a dtype, as bit patterns: for floats, NaNs of either
+// sign (quiet, signalling, with payloads), infinities, signed zeros,
+// subnormals, the largest finite values and (float16) the values around its
+// overflow to infinity; for integers, the extremes, 0 and -1.
+template <typename D>
+std::vector<uint64_t> SpecialBits() {
+  using S = typename D::Storage;
+  if constexpr (D::kInteger) {
+    return {static_cast<uint64_t>(std::numeric_limits<S>::min()),
+            static_cast<uint64_t>(std::numeric_limits<S>::max()), 0, ~uint64_t{0}, 1};
+  } else if constexpr (sizeof(S) == 2) {
+    std::vector<uint64_t> bits = {0x7E00, 0xFE00, 0x7C01, 0xFD55, 0x7FFF, 0x7C00, 0xFC00,
+                                  0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF, 0x0400};
+    if (D::kType == DataType::kBFloat16) {
+      bits = {0x7FC0, 0xFFC0, 0x7F81, 0xFFA5, 0x7FFF, 0x7F80, 0xFF80,
+              0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x0080};
+    }
+    return bits;
+  } else if constexpr (sizeof(S) == 4) {
+    return {0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFA00005, 0x7FFFFFFF, 0x7F800000,
+            0xFF800000, 0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF,
+            0x477FE000, 0x477FF000, 0xC77FEFFF, 0x33000000, 0x3F808000};
+  } else {
+    return {0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001, 0xFFF4000000000005,
+            0x7FF0000000000000, 0xFFF0000000000000, 0x0000000000000000, 0x8000000000000000,
+            0x0000000000000001, 0x800FFFFFFFFFFFFF, 0x7FEFFFFFFFFFFFFF, 0x40EFFC0000000000,
+            0x3FF0000010000000};
+  }
+}
+
+// count + 1 values with one to spare, so that callers can start at element 1
+// (unaligned): the ordinary inputs of KernelInput, with one value in eight
+// replaced by a random bit pattern and one in eight by a special value, so
+// that the two inputs of a reduction are sometimes special together.
+template <typename D>
+std::vector<typename D::Storage> LevelInput(size_t count, uint64_t seed) {
+  using S = typename D::Storage;
+  std::vector<S> v = KernelInput<D>(count + 1, seed);
+  const std::vector<uint64_t> specials = SpecialBits<D>();
+  for (size_t i = 0; i < v.size(); ++i) {
+    const uint64_t h = Mix(seed, i, 7);
+    if (h % 8 == 0) v[i] = FromBits<S>(Mix(h));
+    if (h % 8 == 1) v[i] = FromBits<S>(specials[(h >> 8) % specials.size()]);
+  }
+  return v;
+}
+
+template <typename S>
+bool SameBits(const std::vector<S>& got, const std::vector<S>& want, const std::string& what) {
+  if (std::memcmp(got.data(), want.data(), got.size() * sizeof(S)) == 0) return true;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(S)) != 0) {
+      uint64_t g = 0, w = 0;
+      std::memcpy(&g, &got[i], sizeof(S));
+      std::memcpy(&w, &want[i], sizeof(S));
+      KR_FAIL(what + ": element " + std::to_string(i) + " has bits " + ToString(g) +
+              ", the generic kernels give " + ToString(w));
+      break;
+    }
+  }
+  return false;
+}
+
+template <typename D>
+void CheckLevelReduceAndScale(KernelLevel level, const std::string& mode) {
+  using S = typename D::Storage;
+  for (size_t count : kLevelCounts) {
+    const std::vector<S> a = LevelInput<D>(count, count * 2 + 1);
+    const std::vector<S> b = LevelInput<D>(count, count * 2 + 2);
+    const std::string where = std::string(keras_ring::DataTypeName(D::kType)) + ", " +
+                              std::to_string(count) + " elements, " + mode;
+    for (ReduceOp op : kAllOps) {
+      if (op == ReduceOp::kAverage) continue;
+      std::vector<S> got = a, want = a;
+      ReduceInto(got.data() + 1, b.data() + 1, count, D::kType, op, level);
+      ReduceInto(want.data() + 1, b.data() + 1, count, D::kType, op, KernelLevel::kGeneric);
+      if (!SameBits(got, want, std::string(keras_ring::ReduceOpName(op)) + ", " + where)) return;
+    }
+    for (double factor : {0.5, -3.0, 1e-3, 1e30}) {
+      std::vector<S> got = a, want = a;
+      ScaleBuffer(got.data() + 1, count, D::kType, factor, level);
+      ScaleBuffer(want.data() + 1, count, D::kType, factor, KernelLevel::kGeneric);
+      if (!SameBits(got, want, "scale by " + ToString(factor) + ", " + where)) return;
+    }
+    // By NaN: NaN everywhere (integers: 0), but which NaN bits is left open
+    // (reduce.h says why).
+    std::vector<S> got = a;
+    ScaleBuffer(got.data() + 1, count, D::kType, std::nan(""), level);
+    for (size_t i = 1; i <= count; ++i) {
+      if (!Matches<D>(got[i], D::FromDouble(D::kInteger ? 0.0 : std::nan("")))) {
+        KR_FAIL("scale by nan, " + where + ": element " + std::to_string(i) + " gave " +
+                ValueString<D>(got[i]));
+        return;
+      }
+    }
+  }
+}
+
+template <typename From, typename To>
+void CheckLevelConvert(KernelLevel level, const std::string& mode) {
+  using S = typename From::Storage;
+  using T = typename To::Storage;
+  for (size_t count : kLevelCounts) {
+    const std::vector<S> in = LevelInput<From>(count, count + 5);
+    std::vector<T> got(count + 1), want(count + 1);
+    ConvertBuffer(got.data() + 1, To::kType, in.data() + 1, From::kType, count, level);
+    ConvertBuffer(want.data() + 1, To::kType, in.data() + 1, From::kType, count,
+                  KernelLevel::kGeneric);
+    if (!SameBits(got, want,
+                  std::string(keras_ring::DataTypeName(From::kType)) + " to " +
+                      keras_ring::DataTypeName(To::kType) + ", " + std::to_string(count) +
+                      " elements, " + mode)) {
+      return;
+    }
+  }
+}
+
+void CheckLevel(KernelLevel level, const std::string& mode) {
+  ForEachDtype([&](auto dtype) { CheckLevelReduceAndScale<decltype(dtype)>(level, mode); });
+  CheckLevelConvert<Float32, Float16>(level, mode);
+  CheckLevelConvert<Float16, Float32>(level, mode);
+  CheckLevelConvert<Float32, BFloat16>(level, mode);
+  CheckLevelConvert<BFloat16, Float32>(level, mode);
+  CheckLevelConvert<Float64, Float16>(level, mode);
+  CheckLevelConvert<Float16, Float64>(level, mode);
+  CheckLevelConvert<Float64, BFloat16>(level, mode);
+  CheckLevelConvert<BFloat16, Float64>(level, mode);
+}
+
+// Sets flush-to-zero and denormals-are-zero, as TF's threads do, for its
+// lifetime (x86 only: elsewhere the FPU's mode is left alone).
+class FlushDenormals {
+ public:
+#if defined(__x86_64__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+bool Skipped(KernelLevel level) {
+  if (CpuSupports(level)) return false;
+  std::printf("note: this CPU cannot run the %s kernels; their tests are skipped\n",
+              KernelLevelName(level));
+  return true;
+}
+
+KR_TEST_CASES(RegisterLevelTests) {
+  for (KernelLevel level : kWiderLevels) {
+    const std::string name = std::string("level/") + KernelLevelName(level);
+    Register(name + "/matches_generic", [level] {
+      if (!Skipped(level)) CheckLevel(level, "default FPU mode");
+    });
+    Register(name + "/matches_generic_flushing_denormals", [level] {
+      if (Skipped(level)) return;
+      FlushDenormals flush;
+      CheckLevel(level, "flush-to-zero and denormals-are-zero");
+    });
+  }
+}
+
+// ConvertBuffer at every level against the scalar conversions: every 16-bit
+// pattern widened, and a sweep of float32 bit patterns (and some float64
+// ones) narrowed.
+KR_TEST(ConvertBufferMatchesScalarConversions) {
+  std::vector<uint16_t> halves(1 << 16);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i);
+  std::vector<float> floats;
+  for (uint64_t bits = 0; bits <= 0xFFFFFFFFull; bits += 1021) {
+    floats.push_back(FloatFromBits(static_cast<uint32_t>(bits)));
+  }
+  std::vector<double> doubles(floats.begin(), floats.end());
+  for (double& d : doubles) d = std::nextafter(d, 0.0);  // between two floats, mostly
+  for (KernelLevel level : {KernelLevel::kGeneric, KernelLevel::kAvx2, KernelLevel::kAvx512}) {
+    if (Skipped(level)) continue;
+    const std::string at = std::string(" at level ") + KernelLevelName(level);
+    struct Pair {
+      DataType dtype;
+      uint16_t (*narrow)(float);
+      float (*widen)(uint16_t);
+    };
+    for (const Pair& p : {Pair{DataType::kFloat16, FloatToHalf, HalfToFloat},
+                          Pair{DataType::kBFloat16, FloatToBFloat16, BFloat16ToFloat}}) {
+      const std::string name = keras_ring::DataTypeName(p.dtype) + at;
+      std::vector<float> wide(halves.size()), want_wide(halves.size());
+      ConvertBuffer(wide.data(), DataType::kFloat32, halves.data(), p.dtype, halves.size(), level);
+      for (size_t i = 0; i < halves.size(); ++i) want_wide[i] = p.widen(halves[i]);
+      SameBits(wide, want_wide, "widening " + name);
+      std::vector<uint16_t> narrow(floats.size()), want_narrow(floats.size());
+      ConvertBuffer(narrow.data(), p.dtype, floats.data(), DataType::kFloat32, floats.size(),
+                    level);
+      for (size_t i = 0; i < floats.size(); ++i) want_narrow[i] = p.narrow(floats[i]);
+      SameBits(narrow, want_narrow, "narrowing float32 to " + name);
+      ConvertBuffer(narrow.data(), p.dtype, doubles.data(), DataType::kFloat64, doubles.size(),
+                    level);
+      for (size_t i = 0; i < doubles.size(); ++i) {
+        want_narrow[i] = p.narrow(static_cast<float>(doubles[i]));
+      }
+      SameBits(narrow, want_narrow, "narrowing float64 to " + name);
+    }
+  }
+}
+
+KR_TEST(KernelLevelsParseAndRefuseWhatTheCpuLacks) {
+  for (KernelLevel level : {KernelLevel::kGeneric, KernelLevel::kAvx2, KernelLevel::kAvx512}) {
+    char* end = nullptr;
+    const char* name = KernelLevelName(level);
+    KR_EXPECT(keras_ring::ParseKernelLevel(name, &end) == level && *end == '\0');
+    if (!CpuSupports(level)) {
+      KR_EXPECT_THROW(keras_ring::UseKernelLevel(level), EngineError,
+                      std::string("this CPU cannot run the ") + name + " kernels");
+      float x = 1;
+      KR_EXPECT_THROW(ReduceInto(&x, &x, 1, DataType::kFloat32, ReduceOp::kSum, level),
+                      EngineError, "it can run generic");
+    }
+  }
+  char* end = nullptr;
+  const char* text = "avx";
+  keras_ring::ParseKernelLevel(text, &end);
+  KR_EXPECT(end == text);
+  KR_EXPECT(CpuSupports(KernelLevel::kGeneric));
+  KR_EXPECT(CpuSupports(keras_ring::BestKernelLevel()));
+  KR_EXPECT(keras_ring::KernelLevelInUse() == keras_ring::BestKernelLevel());
+  const KernelLevel best = keras_ring::BestKernelLevel();
+  keras_ring::UseKernelLevel(KernelLevel::kGeneric);
+  KR_EXPECT(keras_ring::KernelLevelInUse() == KernelLevel::kGeneric);
+  keras_ring::UseKernelLevel(best);
+}
+
+KR_TEST(ConvertBufferRefusesOtherPairs) {
+  float f = 1;
+  int32_t i = 1;
+  uint16_t h = 0;
+  KR_EXPECT_THROW(ConvertBuffer(&h, DataType::kFloat16, &i, DataType::kInt32, 1), EngineError,
+                  "int32 to float16");
+  KR_EXPECT_THROW(ConvertBuffer(&f, DataType::kFloat32, &f, DataType::kFloat32, 1), EngineError,
+                  "float32 to float32");
+  KR_EXPECT_THROW(ConvertBuffer(&h, DataType::kBFloat16, &h, DataType::kFloat16, 1), EngineError,
+                  "between float32 or float64 and float16 or bfloat16");
+  KR_EXPECT_THROW(ConvertBuffer(&h, static_cast<DataType>(12), &f, DataType::kFloat32, 1),
+                  EngineError, "invalid dtype 12");
 }
 
 }  // namespace
