@@ -11,8 +11,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_worker.py")
 @pytest.mark.parametrize(
     "settings",
     [{}, {"KERAS_RING_FUSION_THRESHOLD": "0"}, {"KERAS_RING_CYCLE_TIME": "2"},
-     {"KERAS_RING_CACHE_CAPACITY": "0"}],
-    ids=["fusion", "no-fusion", "cycle-time", "no-cache"],
+     {"KERAS_RING_CACHE_CAPACITY": "0"}, {"KERAS_RING_CPU_KERNELS": "generic"}],
+    ids=["fusion", "no-fusion", "cycle-time", "no-cache", "generic-kernels"],
 )
 @pytest.mark.parametrize("np_", [2, 3])
 def test_engine_collectives(run_ranks, np_, settings):

@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "engine.h"
+#include "reduce.h"
 
 using keras_ring::Engine;
+using keras_ring::KernelLevel;
 
 namespace {
 
@@ -85,6 +87,45 @@ const char* kr_mpi_library_version(void) {
     return std::string(text, len);
   }();
   return version.c_str();
+}
+
+const char* kr_cpu_kernels(void) {
+  return keras_ring::KernelLevelName(keras_ring::KernelLevelInUse());
+}
+
+int kr_cpu_supports_kernels(const char* kernels) {
+  char* end = nullptr;
+  const KernelLevel level = keras_ring::ParseKernelLevel(kernels ? kernels : "", &end);
+  if (*end) return -1;
+  return keras_ring::CpuSupports(level) ? 1 : 0;
+}
+
+kr_status kr_reduce_into(void* dst, const void* src, size_t count, kr_dtype dtype,
+                         kr_reduce_op op, const char* kernels, char* err, size_t err_len) {
+  KernelLevel level = keras_ring::KernelLevelInUse();
+  if (kernels) {
+    char* end = nullptr;
+    level = keras_ring::ParseKernelLevel(kernels, &end);
+    if (*end || !*kernels) {
+      return WithError(KR_INVALID_ARGUMENT,
+                       std::string("keras-ring: kernels must be generic, avx2 or avx512. "
+                                   "Received: kernels=") + kernels, err, err_len);
+    }
+  }
+  if (!keras_ring::IsValidDataType(dtype) || !keras_ring::IsValidReduceOp(op) ||
+      op == KR_AVERAGE) {
+    return WithError(KR_INVALID_ARGUMENT,
+                     "kr_reduce_into: dtype must be a kr_dtype and op sum, min, max or product. "
+                     "Received: dtype=" + std::to_string(dtype) + ", op=" + std::to_string(op),
+                     err, err_len);
+  }
+  try {
+    keras_ring::ReduceInto(dst, src, count, static_cast<keras_ring::DataType>(dtype),
+                           static_cast<keras_ring::ReduceOp>(op), level);
+  } catch (const keras_ring::EngineError& e) {
+    return WithError(KR_INVALID_ARGUMENT, e.what(), err, err_len);
+  }
+  return KR_OK;
 }
 
 }  // extern "C"

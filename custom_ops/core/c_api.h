@@ -157,6 +157,20 @@ KR_API void kr_get_stats(kr_stats* out);
 /* MPI library version string of the MPI we were built against and loaded. */
 KR_API const char* kr_mpi_library_version(void);
 
+/* The CPU kernels that reduce, scale and convert: "generic" (any CPU),
+ * "avx2" (AVX2 and F16C) or "avx512" (AVX-512 F, BW, DQ and VL). Every one
+ * gives the same results; the best the CPU can run is used unless
+ * KERAS_RING_CPU_KERNELS, read by kr_init, names another. kr_cpu_kernels
+ * names those in use; kr_cpu_supports_kernels returns 1 if this CPU can run
+ * the named ones, 0 if not, -1 if none have that name. */
+KR_API const char* kr_cpu_kernels(void);
+KR_API int kr_cpu_supports_kernels(const char* kernels);
+/* For tests and benchmarks; needs no kr_init. dst[i] = dst[i] (op) src[i] for
+ * count elements (op is not KR_AVERAGE), with the named kernels, or with
+ * those in use if kernels is NULL. */
+KR_API kr_status kr_reduce_into(void* dst, const void* src, size_t count, kr_dtype dtype,
+                                kr_reduce_op op, const char* kernels, char* err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif

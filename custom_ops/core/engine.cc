@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "algorithms.h"
+#include "reduce.h"
 #include "transport/mpi_transport.h"
 
 namespace keras_ring {
@@ -151,6 +152,8 @@ kr_status Engine::Init(std::string* error) {
     stall_shutdown_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"}, 0.0,
         "a number of seconds", ParseSeconds));
+    UseKernelLevel(Setting<KernelLevel>({"KERAS_RING_CPU_KERNELS"}, BestKernelLevel(),
+                                        "generic, avx2 or avx512", ParseKernelLevel));
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) {

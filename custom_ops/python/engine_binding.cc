@@ -173,6 +173,29 @@ void Check(kr_status status, const char* err) {
   if (status != KR_OK) RaiseFor(status, err);
 }
 
+// dst = dst (op) src with the named CPU kernels (None: those in use), for the
+// kernel tests and benchmark.
+void ReduceIntoArray(py::array dst, py::array src, int op, const py::object& kernels) {
+  if (!dst.writeable() || !(dst.flags() & py::array::c_style)) {
+    throw py::value_error("keras-ring: dst must be a writeable C-contiguous array");
+  }
+  if (!(src.flags() & py::array::c_style) || !src.dtype().is(dst.dtype()) ||
+      src.size() != dst.size()) {
+    throw py::value_error("keras-ring: src must be a C-contiguous array of dst's dtype and size");
+  }
+  const kr_dtype dtype = ToKrDtype(dst.dtype());
+  const std::string name = kernels.is_none() ? "" : kernels.cast<std::string>();
+  char err[512] = {0};
+  kr_status s;
+  {
+    py::gil_scoped_release release;
+    s = kr_reduce_into(dst.mutable_data(), src.data(), static_cast<size_t>(dst.size()), dtype,
+                       static_cast<kr_reduce_op>(op), kernels.is_none() ? nullptr : name.c_str(),
+                       err, sizeof(err));
+  }
+  Check(s, err);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
@@ -261,6 +284,11 @@ PYBIND11_MODULE(_engine, m) {
     return py::cast(ranks);
   }, "The world ranks of a process set, or None if there is no such set.");
   m.def("mpi_library_version", [] { return std::string(kr_mpi_library_version()); });
+  m.def("_cpu_kernels", [] { return std::string(kr_cpu_kernels()); });
+  m.def("_cpu_supports_kernels",
+        [](const std::string& kernels) { return kr_cpu_supports_kernels(kernels.c_str()) == 1; });
+  m.def("_reduce_into", &ReduceIntoArray, py::arg("dst"), py::arg("src"), py::arg("op"),
+        py::arg("kernels") = py::none());
 
   py::class_<Handle>(m, "Handle")
       .def("done", &Handle::done, "True once the collective has completed (or failed).")
