@@ -10,13 +10,11 @@
 #include <limits>
 #include <type_traits>
 
-// Both levels convert float16 with F16C.
-#define KR_KERNELS_F16C 1
-
 // The target pragmas come after the includes, so that only our kernels are
 // compiled for the wider instruction sets.
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c")
+#define KR_KERNELS_F16C 1
 namespace keras_ring {
 namespace avx2 {
 namespace {
@@ -30,6 +28,8 @@ constexpr KernelTable kAvx2Kernels = avx2::MakeKernelTable();
 // 512-bit vectors: GCC's generic tuning would otherwise stop at 256 bits.
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c,avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")
+#undef KR_KERNELS_F16C
+#define KR_KERNELS_AVX512 1
 namespace keras_ring {
 namespace avx512 {
 namespace {
