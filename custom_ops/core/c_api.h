@@ -130,7 +130,9 @@ typedef struct kr_stats {
  * response cache), KERAS_RING_STALL_CHECK_TIME (seconds, default 60, 0
  * disables the report of tensors some ranks wait for),
  * KERAS_RING_STALL_SHUTDOWN_TIME (seconds,
- * default 0 = never: after it, a stalled tensor fails on the waiting ranks). */
+ * default 0 = never: after it, a stalled tensor fails on the waiting ranks),
+ * KERAS_RING_CPU_KERNELS (generic, avx2 or avx512, default the best the CPU
+ * runs: see kr_cpu_kernels). */
 KR_API kr_status kr_init(char* err, size_t err_len);
 /* Stops the engine of every rank: pending requests, here and on the other
  * ranks, complete with KR_ABORTED. Returns once every rank's engine has

@@ -23,7 +23,7 @@ constexpr KernelLevel kAllLevels[] = {KernelLevel::kGeneric, KernelLevel::kAvx2,
 
 const char* RequiredFeatures(KernelLevel level) {
   switch (level) {
-    case KernelLevel::kGeneric: return "nothing";
+    case KernelLevel::kGeneric: return "";
     case KernelLevel::kAvx2: return "AVX2 and F16C";
     case KernelLevel::kAvx512: return "AVX-512 F, BW, DQ and VL, and F16C";
   }
@@ -36,10 +36,11 @@ const KernelTable& KernelsFor(KernelLevel level) {
     for (KernelLevel l : kAllLevels) {
       if (CpuSupports(l)) supported += std::string(supported.empty() ? "" : ", ") + KernelLevelName(l);
     }
-    throw EngineError(std::string("keras-ring: this CPU cannot run the ") + KernelLevelName(level) +
-                      " kernels (they need " + RequiredFeatures(level) + "); it can run " +
-                      supported + ". Set KERAS_RING_CPU_KERNELS to one of those, or unset it "
-                      "for the best available.");
+    throw EngineError(std::string("keras-ring: cannot use the ") + KernelLevelName(level) +
+                      " kernels here: they need an x86-64 CPU with " + RequiredFeatures(level) +
+                      ", and a build made with GCC; this machine can run " + supported +
+                      ". Set KERAS_RING_CPU_KERNELS to one of those, or unset it for the best "
+                      "available.");
   }
   switch (level) {
 #if KR_X86_KERNELS

@@ -537,10 +537,10 @@ KR_TEST(KernelLevelsParseAndRefuseWhatTheCpuLacks) {
     KR_EXPECT(keras_ring::ParseKernelLevel(name, &end) == level && *end == '\0');
     if (!CpuSupports(level)) {
       KR_EXPECT_THROW(keras_ring::UseKernelLevel(level), EngineError,
-                      std::string("this CPU cannot run the ") + name + " kernels");
+                      std::string("cannot use the ") + name + " kernels here");
       float x = 1;
       KR_EXPECT_THROW(ReduceInto(&x, &x, 1, DataType::kFloat32, ReduceOp::kSum, level),
-                      EngineError, "it can run generic");
+                      EngineError, "this machine can run generic");
     }
   }
   char* end = nullptr;
