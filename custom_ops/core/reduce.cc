@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -21,23 +22,31 @@ namespace {
 constexpr KernelLevel kAllLevels[] = {KernelLevel::kGeneric, KernelLevel::kAvx2,
                                       KernelLevel::kAvx512};
 
-const char* RequiredFeatures(KernelLevel level) {
-  switch (level) {
-    case KernelLevel::kGeneric: return "";
-    case KernelLevel::kAvx2: return "AVX2 and F16C";
-    case KernelLevel::kAvx512: return "AVX-512 F, BW, DQ and VL, and F16C";
-  }
-  return "?";
+struct LevelInfo {
+  const char* name;
+  const char* needs;  // on an x86-64 CPU
+};
+
+constexpr LevelInfo kLevelInfo[] = {  // indexed by KernelLevel
+    {"generic", "nothing"},
+    {"avx2", "AVX2 and F16C"},
+    {"avx512", "AVX-512 F, BW, DQ and VL, and F16C"},
+};
+
+const LevelInfo& Info(KernelLevel level) {
+  static constexpr LevelInfo kUnknown = {"?", "?"};
+  const int i = static_cast<int>(level);
+  return i >= 0 && i < static_cast<int>(std::size(kLevelInfo)) ? kLevelInfo[i] : kUnknown;
 }
 
 const KernelTable& KernelsFor(KernelLevel level) {
   if (!CpuSupports(level)) {
     std::string supported;
     for (KernelLevel l : kAllLevels) {
-      if (CpuSupports(l)) supported += std::string(supported.empty() ? "" : ", ") + KernelLevelName(l);
+      if (CpuSupports(l)) supported += std::string(supported.empty() ? "" : ", ") + Info(l).name;
     }
-    throw EngineError(std::string("keras-ring: cannot use the ") + KernelLevelName(level) +
-                      " kernels here: they need an x86-64 CPU with " + RequiredFeatures(level) +
+    throw EngineError(std::string("keras-ring: cannot use the ") + Info(level).name +
+                      " kernels here: they need an x86-64 CPU with " + Info(level).needs +
                       ", and a build made with GCC; this machine can run " + supported +
                       ". Set KERAS_RING_CPU_KERNELS to one of those, or unset it for the best "
                       "available.");
@@ -66,14 +75,7 @@ std::string InvalidDtype(DataType dtype) {
 
 }  // namespace
 
-const char* KernelLevelName(KernelLevel level) {
-  switch (level) {
-    case KernelLevel::kGeneric: return "generic";
-    case KernelLevel::kAvx2: return "avx2";
-    case KernelLevel::kAvx512: return "avx512";
-  }
-  return "?";
-}
+const char* KernelLevelName(KernelLevel level) { return Info(level).name; }
 
 KernelLevel ParseKernelLevel(const char* text, char** end) {
   for (KernelLevel level : kAllLevels) {

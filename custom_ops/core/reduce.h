@@ -10,8 +10,11 @@
 // the level is a matter of speed only. One exception: scaling by a NaN factor
 // gives NaN everywhere on every level, but where the buffer holds NaNs too,
 // the sign and payload of the result may differ, because x86 returns the
-// first NaN operand and each level's code may order x * factor either way. A call uses the level passed, by
-// default the one in use: the best the CPU has, until UseKernelLevel.
+// first NaN operand and each level's code may order x * factor either way.
+//
+// A call uses the level passed, by default the one in use: the best the CPU
+// has, until UseKernelLevel (the engine calls it at init with the level that
+// KERAS_RING_CPU_KERNELS names).
 #pragma once
 
 #include <cstddef>
