@@ -6,9 +6,10 @@ Times `dst = dst + src` (ReduceInto with Sum, through the binding, which
 repeats it in one call) for each dtype and size, with every kernel level the
 CPU can run, and NumPy's `np.add(dst, src, out=dst)` as the baseline,
 interleaved round by round so that the machine's noise hits all methods alike.
-GB/s counts the bytes of one buffer per call. Prints a table (median GB/s, and the speed relative to the
-generic kernels and to NumPy) and writes JSON and a PNG plot to
-benchmarks/results/. One process, one thread: no launcher needed.
+GB/s counts the bytes of one buffer per call. Prints a table (median GB/s,
+and the speed relative to the generic kernels and to NumPy) and writes JSON
+and a PNG plot to benchmarks/results/. One process, one thread: no launcher
+needed.
 """
 
 import argparse
