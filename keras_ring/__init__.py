@@ -56,6 +56,9 @@ _LAZY = {
     "shard_dataset": "keras_ring._data",
     "rank_zero_verbose": "keras_ring._data",
     "run": "keras_ring._run",
+    # Lazy too, so that `python -m keras_ring.timeline` runs a module not yet imported.
+    "start_timeline": "keras_ring.timeline",
+    "stop_timeline": "keras_ring.timeline",
 }
 
 

@@ -86,6 +86,10 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
             coordinator by a small id and scheduled without comparing its
             description again; names beyond the capacity take the full path.
 
+    `KERAS_RING_TIMELINE=path` (or `HOROVOD_TIMELINE`) starts recording the
+    timeline here (see `start_timeline`); `KERAS_RING_LOG_LEVEL` sets what the
+    log shows.
+
     Raises:
         ValueError: if `comm` is given, or a process set is invalid.
         RuntimeError: if the job was started by a different MPI than the one
@@ -141,6 +145,9 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
         if not _exit_hook_registered:
             atexit.register(_at_exit)
             _exit_hook_registered = True
+    from keras_ring import timeline
+
+    timeline._start_from_environment()
     if process_sets is not None:
         from keras_ring import _process_sets
 

@@ -41,8 +41,8 @@ def test_a_stalled_tensor_is_reported_then_fails_on_the_waiting_ranks(run_ranks,
     env = {"KERAS_RING_STALL_CHECK_TIME": "1", "KERAS_RING_STALL_SHUTDOWN_TIME": "3"}
     result = run_ranks(np_, worker, timeout=120, env=env)
     waiting = "0" if np_ == 2 else "0, 2"
-    assert (f"keras-ring: warning: ranks [{waiting}] have been waiting 1 s for ranks [1] to "
-            "submit tensor 'stalled'") in result.stdout, result.stdout
+    assert (f"] keras-ring warning: stall: ranks [{waiting}] have been waiting 1 s for ranks [1] "
+            "to submit tensor 'stalled'") in result.stdout, result.stdout
     for rank in [0] + list(range(2, np_)):
         assert f"rank {rank} error: keras-ring: stalled: ranks [{waiting}]" in result.stdout
     for rank in range(np_):

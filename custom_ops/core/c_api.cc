@@ -3,11 +3,13 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "engine.h"
+#include "log.h"
 #include "reduce.h"
 
 using keras_ring::Engine;
@@ -55,6 +57,29 @@ kr_status kr_enqueue(const kr_request* request) {
 }
 
 void kr_get_stats(kr_stats* out) { *out = Engine::Get().stats(); }
+
+kr_status kr_start_timeline(const char* file_path, int mark_cycles, char* err, size_t err_len) {
+  if (!file_path || !*file_path) {
+    return WithError(KR_INVALID_ARGUMENT, "keras-ring: start_timeline needs a file path", err,
+                     err_len);
+  }
+  std::string message;
+  kr_status s = Engine::Get().StartTimeline(file_path, mark_cycles != 0, &message);
+  return WithError(s, message, err, err_len);
+}
+
+void kr_stop_timeline(void) { Engine::Get().StopTimeline(); }
+
+void kr_log(int level, const char* message, int once) {
+  using keras_ring::LogLevel;
+  const auto l = static_cast<LogLevel>(std::min(std::max(level, 0), 4));
+  const std::string text = message ? message : "";
+  if (once) {
+    keras_ring::LogOnce(l, text, text);
+  } else {
+    keras_ring::Log(l, text);
+  }
+}
 
 kr_status kr_add_process_set(const int* ranks, int nranks, int32_t* id, char* err,
                              size_t err_len) {

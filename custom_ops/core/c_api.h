@@ -132,7 +132,8 @@ typedef struct kr_stats {
  * KERAS_RING_STALL_SHUTDOWN_TIME (seconds,
  * default 0 = never: after it, a stalled tensor fails on the waiting ranks),
  * KERAS_RING_CPU_KERNELS (generic, avx2 or avx512, default the best the CPU
- * runs: see kr_cpu_kernels). */
+ * runs: see kr_cpu_kernels),
+ * KERAS_RING_LOG_LEVEL (trace, debug, info, warning (default), error). */
 KR_API kr_status kr_init(char* err, size_t err_len);
 /* Stops the engine of every rank: pending requests, here and on the other
  * ranks, complete with KR_ABORTED. Returns once every rank's engine has
@@ -156,6 +157,21 @@ KR_API kr_status kr_remove_process_set(int32_t id, char* err, size_t err_len);
  * set's size, or -1 if there is no such set. */
 KR_API int kr_process_set_ranks(int32_t id, int* ranks, int max_ranks);
 KR_API void kr_get_stats(kr_stats* out);
+/* Records this rank's timeline into file_path (created or truncated): Chrome
+ * trace event JSON, one row per tensor, valid even if the process dies while
+ * recording. mark_cycles != 0 adds a mark for every engine cycle that did
+ * something. Fails if the engine is not initialised, a timeline is already
+ * recording, or the file cannot be created. */
+KR_API kr_status kr_start_timeline(const char* file_path, int mark_cycles, char* err,
+                                   size_t err_len);
+/* Writes what is buffered and closes the file; no-op when not recording.
+ * Shutdown does it too. */
+KR_API void kr_stop_timeline(void);
+/* Writes message to the log (stderr, prefixed with time, rank and host) if
+ * level (0 trace, 1 debug, 2 info, 3 warning, 4 error) is enabled by
+ * KERAS_RING_LOG_LEVEL; with once != 0, at most once per process for each
+ * distinct message. */
+KR_API void kr_log(int level, const char* message, int once);
 /* MPI library version string of the MPI we were built against and loaded. */
 KR_API const char* kr_mpi_library_version(void);
 

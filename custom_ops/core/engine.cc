@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <numeric>
 
 #include "algorithms.h"
+#include "log.h"
 #include "reduce.h"
 #include "transport/mpi_transport.h"
 
@@ -137,6 +139,7 @@ kr_status Engine::Init(std::string* error) {
     lock.lock();
   }
   try {
+    ConfigureLog();
     fusion_threshold_ = Setting<unsigned long long>(
         {"KERAS_RING_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"}, kDefaultFusionThreshold,
         "a number of bytes", ParseCount);
@@ -204,6 +207,7 @@ kr_status Engine::Init(std::string* error) {
     MPI_Comm_free(&local);
     MPI_Comm_free(&cross);
     topology_ = t;
+    SetLogRank(t.rank);
     // Alone, a collective is a copy at most: packing a fusion buffer would
     // only add two more.
     if (t.size == 1) fusion_threshold_ = 0;
@@ -229,6 +233,11 @@ kr_status Engine::Init(std::string* error) {
   shutdown_sent_ = false;
   running_ = true;
   thread_ = std::thread(&Engine::Loop, this);
+  KR_LOG(kInfo, "engine started: rank " + std::to_string(topology_.rank) + " of " +
+                    std::to_string(topology_.size) + ", fusion threshold " +
+                    std::to_string(fusion_threshold_) + " bytes, cycle time " +
+                    std::to_string(std::chrono::duration<double, std::milli>(cycle_time_).count()) +
+                    " ms, cache capacity " + std::to_string(cache_capacity_));
   return KR_OK;
 }
 
@@ -240,6 +249,7 @@ kr_status Engine::Shutdown(std::string* error) {
   }
   cv_.notify_all();
   thread_.join();
+  timeline_.Stop();
   std::lock_guard<std::mutex> lock(mu_);
   running_ = false;
   for (auto& [id, set] : sets_) {
@@ -319,6 +329,7 @@ kr_status Engine::Enqueue(const kr_request& r) {
   req.done = r.done;
   req.ctx = r.ctx;
   req.process_set = r.process_set;
+  if (timeline_.on()) req.submitted = Timeline::Clock::now();
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -393,7 +404,15 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
   } else {
     item.meta = m;
   }
+  KR_LOG(kTrace, "submitted tensor '" + name + "' (" + m.Describe() + ")" +
+                     (item.cache_id >= 0 ? " by cache id" : ""));
   list.items.push_back(std::move(item));
+  if (timeline_.on()) {
+    const auto now = Timeline::Clock::now();
+    timeline_.Begin(RowName(req), "NEGOTIATE",
+                    req.submitted == Timeline::Clock::time_point() ? now : req.submitted,
+                    "\"request\":" + Timeline::Quote(m.Describe()));
+  }
   set.joined = set.joined || m.collective == Collective::kJoin;
   set.pending.emplace(name, std::move(req));
   return true;
@@ -440,6 +459,11 @@ void Engine::Loop() {
         Execute(list);
         if (list.shutdown_rank >= 0) break;
       }
+      if (progress && timeline_.mark_cycles()) {
+        timeline_.Mark("CYCLE", Timeline::Clock::now(),
+                       "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
+                           std::to_string(got ? list.responses.size() : 0));
+      }
       idle_passes = progress ? 0 : idle_passes + 1;
     }
     // Every rank sends the coordinator exactly one shutdown message (its own
@@ -461,6 +485,7 @@ void Engine::Loop() {
     // The ranks can no longer be assumed to be in step: fail everything, tell
     // the others, and refuse new work until shutdown() (which returns at
     // once: no negotiation).
+    KR_LOG(kError, std::string("the engine stopped: ") + e.what());
     FailAll(KR_INTERNAL, e.what());
     Abandon(e.what());
     StopAccepting(KR_INTERNAL, e.what());
@@ -581,8 +606,8 @@ bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   const auto now = Coordinator::Clock::now();
   for (auto& [id, set] : sets_) {
     if (stall_check_.count()) {
-      for (const std::string& line : set.coordinator->StallReports(now, stall_check_)) {
-        std::fprintf(stderr, "keras-ring: warning: %s\n", line.c_str());
+      for (const std::string& report : set.coordinator->StallReports(now, stall_check_)) {
+        Log(LogLevel::kWarning, "stall: " + report);
       }
     }
     if (!stall_shutdown_.count()) continue;
@@ -668,6 +693,7 @@ struct StandIn {
 }  // namespace
 
 void Engine::Execute(ResponseList& list) {
+  received_ = timeline_.Now();
   for (Response& resp : list.responses) {
     auto found = sets_.find(resp.process_set);
     // A list may mix sets: run those this rank is in (a removed set has
@@ -736,10 +762,13 @@ void Engine::Execute(ResponseList& list) {
 }
 
 void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp) {
+  const auto started = timeline_.Now();
+  if (timeline_.on()) TraceRunning(set, requests, resp, started);
+  set.collectives_run += 1;
   if (!resp.error.empty()) {
     for (const Request& req : requests) {
       if (req.meta.collective == Collective::kJoin) set.joined = false;
-      req.Complete(resp.status, resp.error);
+      Complete(req, resp.status, resp.error);
     }
     return;
   }
@@ -780,15 +809,74 @@ void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Re
     }
   } catch (const std::exception& e) {
     for (const Request& req : requests) {
-      req.Complete(KR_INTERNAL, std::string(e.what()) + " (tensor '" + req.meta.name + "')");
+      Complete(req, KR_INTERNAL, std::string(e.what()) + " (tensor '" + req.meta.name + "')");
     }
     throw;
   }
+  // A fused collective records its own phases.
+  if (requests.size() == 1) TracePhase(requests, "COMMUNICATE", started, timeline_.Now());
   stats_.collectives += 1;
   stats_.tensors += requests.size();
   if (requests.size() > 1) stats_.fused_tensors += requests.size();
   if (!ok) return;
-  for (const Request& req : requests) req.Complete(KR_OK, "");
+  for (const Request& req : requests) Complete(req, KR_OK, "");
+}
+
+std::string Engine::RowName(const Request& req) {
+  if (req.process_set == 0) return req.meta.name;
+  return req.meta.name + " (process set " + std::to_string(req.process_set) + ")";
+}
+
+void Engine::TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
+                          const Response& resp, Timeline::Clock::time_point started) {
+  const auto arrived = received_ == Timeline::Clock::time_point() ? started : received_;
+  std::string span = CollectiveName(requests[0].meta.collective);
+  for (char& c : span) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  size_t bytes = 0;
+  for (const Request& req : requests) {
+    bytes += ElementCount(req.meta.shape) * DataTypeSize(req.meta.dtype);
+  }
+  // Every member counts the set's collectives alike: tensors with the same
+  // group ran fused, on every rank.
+  const std::string args =
+      "\"group\":" + std::to_string(set.collectives_run) + ",\"tensors\":" +
+      std::to_string(requests.size()) + ",\"bytes\":" + std::to_string(bytes) +
+      (resp.error.empty() ? "" : ",\"error\":" + Timeline::Quote(resp.error));
+  for (const Request& req : requests) {
+    const std::string row = RowName(req);
+    timeline_.End(row, arrived);  // NEGOTIATE
+    timeline_.Begin(row, span.c_str(), arrived, args);
+    timeline_.Nested(row, "QUEUE", arrived, started);
+  }
+}
+
+void Engine::TracePhase(const std::vector<Request>& requests, const char* phase,
+                        Timeline::Clock::time_point start, Timeline::Clock::time_point end) {
+  if (!timeline_.on() || start == Timeline::Clock::time_point()) return;
+  for (const Request& req : requests) timeline_.Nested(RowName(req), phase, start, end);
+}
+
+void Engine::Complete(const Request& req, kr_status status, const std::string& message) {
+  if (!timeline_.on()) {
+    req.Complete(status, message);
+    return;
+  }
+  const std::string row = RowName(req);
+  const auto start = Timeline::Clock::now();
+  req.Complete(status, message);
+  const auto end = Timeline::Clock::now();
+  timeline_.Nested(row, "DONE", start, end);
+  timeline_.End(row, end);
+}
+
+kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::string* error) {
+  if (!initialized()) {
+    SetError(error, "keras-ring is not initialised: call init() before start_timeline()");
+    return KR_NOT_INITIALIZED;
+  }
+  if (!timeline_.Start(path, topology_.rank, mark_cycles, error)) return KR_INVALID_ARGUMENT;
+  KR_LOG(kInfo, "recording the timeline into " + path);
+  return KR_OK;
 }
 
 void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests) {
@@ -809,6 +897,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   }
   // Fused: pack every input into one buffer, reduce once, unpack. Packing is
   // a copy either way: unfused, each input is copied to its output first.
+  const auto packing = timeline_.Now();
   for (const Request& req : requests) o.count += ElementCount(req.meta.shape);
   if (fusion_buffer_.size() < o.count * esize) fusion_buffer_.resize(o.count * esize);
   char* packed = fusion_buffer_.data();
@@ -818,13 +907,18 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
     packed += bytes;
   }
   o.buffer = fusion_buffer_.data();
+  const auto packed_at = timeline_.Now();
   RingAllreduce(*set.transport, o);
+  const auto reduced = timeline_.Now();
   packed = fusion_buffer_.data();
   for (const Request& req : requests) {
     const size_t bytes = ElementCount(req.meta.shape) * esize;
     if (bytes) std::memcpy(req.output, packed, bytes);
     packed += bytes;
   }
+  TracePhase(requests, "PACK", packing, packed_at);
+  TracePhase(requests, "COMMUNICATE", packed_at, reduced);
+  TracePhase(requests, "UNPACK", reduced, timeline_.Now());
 }
 
 void Engine::RunBroadcast(ProcessSet& set, const Request& req) {
@@ -850,7 +944,7 @@ void* Engine::AllocateOutput(const Request& req, const std::vector<int64_t>& sha
   *failed = !out && bytes > 0;
   if (!*failed) return out;
   scratch->resize(bytes);
-  req.Complete(KR_INTERNAL, std::string("keras-ring: could not allocate the output of ") +
+  Complete(req, KR_INTERNAL, std::string("keras-ring: could not allocate the output of ") +
                                 CollectiveName(req.meta.collective) + " for tensor '" +
                                 req.meta.name + "'");
   return scratch->data();

@@ -19,6 +19,7 @@
 #include "c_api.h"
 #include "common.h"
 #include "negotiation.h"
+#include "timeline.h"
 #include "transport/transport.h"
 
 namespace keras_ring {
@@ -35,6 +36,7 @@ struct Request {
   void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape) = nullptr;
   void (*done)(void* ctx, kr_status status, const char* message) = nullptr;
   void* ctx = nullptr;
+  Timeline::Clock::time_point submitted;  // set only while a timeline records
 
   void Complete(kr_status status, const std::string& message) const {
     done(ctx, status, message.c_str());
@@ -56,6 +58,7 @@ struct ProcessSet {
   // request this rank made when the coordinator cached the name.
   std::unordered_map<std::string, int32_t> cache_ids;
   std::vector<TensorMeta> cached;
+  uint64_t collectives_run = 0;  // the same count on every member: names fused groups
 
   int size() const { return static_cast<int>(ranks.size()); }
 };
@@ -80,6 +83,10 @@ class Engine {
   kr_status RemoveProcessSet(int32_t id, std::string* error);
   // The set's world ranks; false if there is no such set.
   bool ProcessSetRanks(int32_t id, std::vector<int>* ranks) const;
+  // Records this rank's timeline into `path` (see timeline.h) until
+  // StopTimeline or shutdown.
+  kr_status StartTimeline(const std::string& path, bool mark_cycles, std::string* error);
+  void StopTimeline() { timeline_.Stop(); }
 
  private:
   Engine() = default;
@@ -98,6 +105,15 @@ class Engine {
   // Runs one agreed collective (several requests when fused).
   void Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp);
   void RunAllreduce(ProcessSet& set, const std::vector<Request>& requests);
+  // Timeline rows: the tensor's name, and its set when not the whole job.
+  static std::string RowName(const Request& req);
+  // The collective's span on each request's row, from the response's arrival.
+  void TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
+                    const Response& resp, Timeline::Clock::time_point started);
+  void TracePhase(const std::vector<Request>& requests, const char* phase,
+                  Timeline::Clock::time_point start, Timeline::Clock::time_point end);
+  // Completes the request, ending its span.
+  void Complete(const Request& req, kr_status status, const std::string& message);
   void RunBroadcast(ProcessSet& set, const Request& req);
   // These three allocate their output through the request; each returns false
   // if that failed (the request is then already completed with the error).
@@ -147,6 +163,8 @@ class Engine {
   std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
   std::chrono::steady_clock::duration cycle_time_{};  // 0: send agreed tensors at once
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective
+  Timeline timeline_;
+  Timeline::Clock::time_point received_;  // when the response list being run arrived
   struct {
     std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0}, cached_tensors{0};
   } stats_;

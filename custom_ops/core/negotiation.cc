@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <sstream>
 #include <type_traits>
 
@@ -447,35 +448,64 @@ std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
   return out;
 }
 
-std::string Coordinator::Stall(const std::string& name, const Entry& e,
-                               Clock::time_point now) const {
-  const TensorMeta& m = e.first();
-  auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now - e.first_seen).count();
-  std::ostringstream s;
+std::pair<std::string, std::string> Coordinator::StallRanks(const Entry& e) const {
   // Joined ranks are not waited for, where they take part unasked.
   std::vector<bool> counted = e.present;
   for (int r = 0; r < size_; ++r) {
-    counted[r] = counted[r] || (joined_[r] && JoinedTakePart(m.collective));
+    counted[r] = counted[r] || (joined_[r] && JoinedTakePart(e.first().collective));
   }
-  s << label_ << "ranks [" << RankList(e.present, true) << "] have been waiting " << seconds
-    << " s for ranks [" << RankList(counted, false) << "] to submit tensor '" << name << "' ("
-    << m.Describe() << ")";
+  return {RankList(e.present, true), RankList(counted, false)};
+}
+
+std::string Coordinator::Stall(const std::string& name, const Entry& e,
+                               Clock::time_point now) const {
+  auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now - e.first_seen).count();
+  const auto [waiting, missing] = StallRanks(e);
+  std::ostringstream s;
+  s << label_ << "ranks [" << waiting << "] have been waiting " << seconds << " s for ranks ["
+    << missing << "] to submit tensor '" << name << "' (" << e.first().Describe() << ")";
   return s.str();
 }
 
 std::vector<std::string> Coordinator::StallReports(Clock::time_point now,
                                                    Clock::duration report_after) {
-  std::vector<std::string> reports;
+  // Waiting in a join is not a stall: the ranks with data are still working.
+  auto stalled = [&](const Entry& e, Clock::duration after) {
+    return !e.reported && now - e.first_seen >= after &&
+           e.first().collective != Collective::kJoin;
+  };
+  bool due = false;
+  for (const auto& entry : table_) due = due || stalled(entry.second, report_after);
+  if (!due) return {};
+  // The tensors of one step arrive together: those already waiting half as
+  // long go into the same report, grouped by who waits for whom, so that a
+  // stalled step reads as one report instead of one line per tensor.
+  std::map<std::pair<std::string, std::string>, std::vector<std::string>> groups;
   for (auto& [name, e] : table_) {
-    // Waiting in a join is not a stall: the ranks with data are still working.
-    if (e.reported || now - e.first_seen < report_after ||
-        e.first().collective == Collective::kJoin) {
+    if (!stalled(e, report_after / 2)) continue;
+    e.reported = true;
+    groups[StallRanks(e)].push_back(name);
+  }
+  constexpr size_t kListed = 5;
+  std::vector<std::string> reports;
+  for (auto& [ranks, names] : groups) {
+    std::sort(names.begin(), names.end());
+    if (names.size() == 1) {
+      reports.push_back(Stall(names[0], table_[names[0]], now));
       continue;
     }
-    e.reported = true;
-    reports.push_back(Stall(name, e, now));
+    Clock::duration longest{};
+    for (const auto& name : names) longest = std::max(longest, now - table_[name].first_seen);
+    std::ostringstream s;
+    s << label_ << "ranks [" << ranks.first << "] have been waiting up to "
+      << std::chrono::duration_cast<std::chrono::seconds>(longest).count() << " s for ranks ["
+      << ranks.second << "] to submit " << names.size() << " tensors: ";
+    for (size_t i = 0; i < names.size() && i < kListed; ++i) {
+      s << (i ? ", '" : "'") << names[i] << "' (" << table_[names[i]].first().Describe() << ")";
+    }
+    if (names.size() > kListed) s << " and " << names.size() - kListed << " more";
+    reports.push_back(s.str());
   }
-  std::sort(reports.begin(), reports.end());
   return reports;
 }
 

@@ -23,6 +23,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -138,8 +139,9 @@ class Coordinator {
                  Clock::time_point now = Clock::now());
   bool HasWaiting() const { return !table_.empty(); }
 
-  // Stall handling. Names some ranks have submitted for longer than
-  // `report_after`: one report line each, once. Names waiting longer than
+  // Stall handling. Once a name has waited `report_after`, the names that
+  // have waited at least half that long, each reported once: one report per
+  // group of names that the same ranks wait for and the same ranks miss. Names waiting longer than
   // `fail_after` (if positive): an error Response each, naming the missing
   // ranks, and the name leaves the table.
   std::vector<std::string> StallReports(Clock::time_point now, Clock::duration report_after);
@@ -173,6 +175,8 @@ class Coordinator {
   static bool JoinedTakePart(Collective c);
   // Appends the decision on a complete entry and removes it.
   void Finish(const std::string& name, std::vector<Response>* out);
+  // The waiting ranks and the missing ones, as lists ("0, 2" and "1").
+  std::pair<std::string, std::string> StallRanks(const Entry& e) const;
   // "ranks [0, 2] have been waiting 61 s for ranks [1] to submit tensor 'x' (...)".
   std::string Stall(const std::string& name, const Entry& e, Clock::time_point now) const;
   // Empty when the present ranks agree, else the error.

@@ -293,6 +293,19 @@ PYBIND11_MODULE(_engine, m) {
         [](const std::string& kernels) { return kr_cpu_supports_kernels(kernels.c_str()) == 1; });
   m.def("_reduce_into", &ReduceIntoArray, py::arg("dst"), py::arg("src"), py::arg("op"),
         py::arg("kernels") = py::none(), py::arg("repeat") = 1);
+  m.def("start_timeline", [](const std::string& path, bool mark_cycles) {
+    char err[2048] = {0};
+    Check(kr_start_timeline(path.c_str(), mark_cycles ? 1 : 0, err, sizeof(err)), err);
+  }, py::arg("path"), py::arg("mark_cycles") = false,
+     "Records this rank's timeline into exactly this file.");
+  m.def("stop_timeline", [] {
+    py::gil_scoped_release release;
+    kr_stop_timeline();
+  }, "Writes the rest of the timeline and closes its file.");
+  m.def("log", [](int level, const std::string& message, bool once) {
+    kr_log(level, message.c_str(), once ? 1 : 0);
+  }, py::arg("level"), py::arg("message"), py::arg("once") = false,
+     "Writes to the engine's log if the level (0 trace .. 4 error) is enabled.");
 
   py::class_<Handle>(m, "Handle")
       .def("done", &Handle::done, "True once the collective has completed (or failed).")

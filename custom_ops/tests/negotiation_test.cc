@@ -311,6 +311,30 @@ KR_TEST(JoinedRanksCountAsPresentUntilEveryRankHasJoined) {
   KR_EXPECT(out.empty());
 }
 
+KR_TEST(StalledTensorsOfOneStepMakeOneReport) {
+  using std::chrono::seconds;
+  const auto t0 = Coordinator::Clock::now();
+  Coordinator c(3);
+  std::vector<Response> out;
+  for (const char* name : {"g7", "g1", "g2", "g3", "g4", "g5", "g6"}) {
+    c.Add(0, Allreduce(name, {2}), &out, t0);
+    c.Add(2, Allreduce(name, {2}), &out, t0);
+  }
+  c.Add(0, Allreduce("late", {2}), &out, t0 + seconds(25));  // half the check time by 61 s
+  c.Add(0, Allreduce("later", {2}), &out, t0 + seconds(35));
+  auto reports = c.StallReports(t0 + seconds(61), seconds(60));
+  KR_EXPECT_EQ(reports.size(), 2u);
+  KR_EXPECT(reports[1].find("ranks [0, 2] have been waiting up to 61 s for ranks [1] to submit 7 "
+                            "tensors: 'g1' (allreduce of float32[2]") == 0);
+  KR_EXPECT(reports[1].find("'g5' (allreduce of float32[2] op=sum) and 2 more") !=
+            std::string::npos);
+  KR_EXPECT(reports[0].find("ranks [0] have been waiting 36 s for ranks [1, 2] to submit tensor "
+                            "'late'") == 0);
+  reports = c.StallReports(t0 + seconds(95), seconds(60));
+  KR_EXPECT_EQ(reports.size(), 1u);
+  KR_EXPECT(reports[0].find("'later'") != std::string::npos);
+}
+
 KR_TEST(AProcessSetsCoordinatorNamesWorldRanks) {
   using std::chrono::seconds;
   const auto t0 = Coordinator::Clock::now();

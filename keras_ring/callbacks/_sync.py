@@ -20,13 +20,12 @@ guard, so the guard exchanges once per point however many keras-ring
 callbacks are in the list.
 """
 
-import warnings
 import zlib
 
 import keras
 import numpy as np
 
-from keras_ring import _basics, _ops
+from keras_ring import _basics, _log, _ops
 from keras_ring._reduce_ops import Max
 
 # Points in `fit`.
@@ -50,7 +49,7 @@ STEPS_ADVICE = (
     "number of batches (with dataset.repeat())."
 )
 UNKNOWN_STEPS_WARNING = (
-    "keras-ring: Keras does not know the number of steps per epoch on every rank (the data "
+    "Keras does not know the number of steps per epoch on every rank (the data "
     "has an unknown length, as after dataset.filter()), so keras-ring cannot check before "
     "training that all ranks run the same number. A rank whose data runs out first finds out "
     "inside its train step; if that step communicates (DistributedOptimizer), the other ranks "
@@ -180,7 +179,7 @@ class _StepGuard:
         epochs = int(params.get("epochs") or 0)
         low, high = self.exchange(TRAIN_BEGIN, GUARD, (planned, epochs))
         if low[0] < 0 and _basics.size() > 1 and _basics.rank() == 0:
-            warnings.warn(UNKNOWN_STEPS_WARNING, stacklevel=2)
+            _log.warning(UNKNOWN_STEPS_WARNING, once=True)
         if low[0] >= 0 and low[0] != high[0]:
             counts = per_rank(gather([planned])[:, 0])
             raise RuntimeError(
