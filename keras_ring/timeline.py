@@ -95,7 +95,7 @@ def _stem(path):
 
 
 def rank_file(path, rank):
-    """The file rank `rank` records into when asked for `path`: `trace.json` -> `trace.rank0.json`."""
+    """The file rank `rank` records into for `path`: `trace.json` -> `trace.rank0.json`."""
     return f"{_stem(path)}.rank{rank}.json"
 
 
@@ -192,18 +192,29 @@ def spans(events):
 
 
 def _span(event, start, end, depth):
-    return {"pid": event["pid"], "tid": event.get("tid", 0), "name": event["name"],
-            "start": start, "end": end, "depth": depth, "args": event.get("args", {})}
+    return {
+        "pid": event["pid"],
+        "tid": event.get("tid", 0),
+        "name": event["name"],
+        "start": start,
+        "end": end,
+        "depth": depth,
+        "args": event.get("args", {}),
+    }
 
 
 _COLOURS = {
-    "NEGOTIATE": "#d0d0d0", "QUEUE": "#fdae6b", "PACK": "#74c476", "COMMUNICATE": "#3182bd",
-    "UNPACK": "#a1d99b", "DONE": "#9e9ac8",
+    "NEGOTIATE": "#d0d0d0",
+    "QUEUE": "#fdae6b",
+    "PACK": "#74c476",
+    "COMMUNICATE": "#3182bd",
+    "UNPACK": "#a1d99b",
+    "DONE": "#9e9ac8",
 }
 _COLLECTIVE_COLOUR = "#deebf7"
 
 
-def plot(trace_path, image_path, start_ms=None, duration_ms=None):
+def plot(trace_path, image_path, start_ms=None, duration_ms=None, title=None):
     """Draws a trace as a chart of bars, one row per rank and tensor, into an image (matplotlib).
 
     Args:
@@ -212,6 +223,7 @@ def plot(trace_path, image_path, start_ms=None, duration_ms=None):
         start_ms: Where the window starts, in milliseconds after the trace's
             first event (default 0).
         duration_ms: The window's length in milliseconds (default: to the end).
+        title: Above the chart (default: the trace's file name).
     """
     import matplotlib
 
@@ -220,8 +232,11 @@ def plot(trace_path, image_path, start_ms=None, duration_ms=None):
     from matplotlib.patches import Patch
 
     events = load(trace_path)
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e["name"] in ("thread_name", "process_name")}
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e["name"] in ("thread_name", "process_name")
+    }
     all_spans = spans(events)
     if not all_spans:
         raise ValueError(f"keras-ring: {trace_path} holds no spans to plot")
@@ -232,13 +247,20 @@ def plot(trace_path, image_path, start_ms=None, duration_ms=None):
     rows = sorted({(s["pid"], s["tid"]) for s in shown})
     y = {row: i for i, row in enumerate(rows)}
     figure, axes = plt.subplots(figsize=(12, 1.6 + 0.32 * len(rows)))
-    for s in shown:
+    for s in sorted(shown, key=lambda s: s["depth"]):  # phases over their span
         start, end = (s["start"] - origin) / 1000, (s["end"] - origin) / 1000
         top = s["depth"] == 0
         colour = _COLOURS.get(s["name"], _COLLECTIVE_COLOUR if top else "#969696")
         height = 0.8 if top else 0.5
-        axes.barh(y[(s["pid"], s["tid"])], max(end - start, 1e-3), left=start, height=height,
-                  color=colour, edgecolor="#4a4a4a" if top else "none", linewidth=0.4)
+        axes.barh(
+            y[(s["pid"], s["tid"])],
+            max(end - start, 1e-3),
+            left=start,
+            height=height,
+            color=colour,
+            edgecolor="#4a4a4a" if top else "none",
+            linewidth=0.4,
+        )
     # Fused tensors: one collective, several rows; a line joins them at its start.
     groups = {}
     for s in shown:
@@ -253,8 +275,14 @@ def plot(trace_path, image_path, start_ms=None, duration_ms=None):
             ranks_rows = [i for (pid, _), i in y.items() if pid == e["pid"]]
             at = (e["ts"] - origin) / 1000
             if ranks_rows and low / 1000 <= at <= high / 1000:
-                axes.vlines(at, min(ranks_rows) - 0.5, max(ranks_rows) + 0.5, color="#e6550d",
-                            linewidth=0.3, alpha=0.5)
+                axes.vlines(
+                    at,
+                    min(ranks_rows) - 0.5,
+                    max(ranks_rows) + 0.5,
+                    color="#e6550d",
+                    linewidth=0.3,
+                    alpha=0.5,
+                )
     for i in range(1, len(rows)):
         if rows[i][0] != rows[i - 1][0]:
             axes.axhline(i - 0.5, color="black", linewidth=0.8)
@@ -267,15 +295,27 @@ def plot(trace_path, image_path, start_ms=None, duration_ms=None):
     right = max((s["end"] - origin) / 1000 for s in shown)
     axes.set_xlim(low / 1000, min(high / 1000, right))
     axes.set_xlabel("milliseconds")
-    legend = [Patch(facecolor=_COLOURS["NEGOTIATE"], edgecolor="#4a4a4a",
-                    label="NEGOTIATE (waiting for the other ranks, agreement)"),
-              Patch(facecolor=_COLLECTIVE_COLOUR, edgecolor="#4a4a4a",
-                    label="collective (ALLREDUCE, ...)")]
+    legend = [
+        Patch(
+            facecolor=_COLOURS["NEGOTIATE"],
+            edgecolor="#4a4a4a",
+            label="NEGOTIATE (waiting for the other ranks, agreement)",
+        ),
+        Patch(
+            facecolor=_COLLECTIVE_COLOUR, edgecolor="#4a4a4a", label="collective (ALLREDUCE, ...)"
+        ),
+    ]
     legend += [Patch(facecolor=_COLOURS[p], label=p) for p in PHASES]
     legend.append(plt.Line2D([], [], color="black", label="fused: one collective"))
-    axes.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.08),
-                ncol=4, fontsize=8, frameon=False)
-    axes.set_title(os.path.basename(trace_path))
+    axes.legend(
+        handles=legend,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.08),
+        ncol=4,
+        fontsize=8,
+        frameon=False,
+    )
+    axes.set_title(title or os.path.basename(trace_path))
     figure.tight_layout()
     figure.savefig(image_path, dpi=110)
     plt.close(figure)
@@ -283,8 +323,9 @@ def plot(trace_path, image_path, start_ms=None, duration_ms=None):
 
 def main(argv=None):
     """`python -m keras_ring.timeline merge|plot ...`."""
-    parser = argparse.ArgumentParser(prog="python -m keras_ring.timeline",
-                                     description="Merge and draw keras-ring timelines.")
+    parser = argparse.ArgumentParser(
+        prog="python -m keras_ring.timeline", description="Merge and draw keras-ring timelines."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     merging = commands.add_parser("merge", help="join the ranks' files into one trace")
     merging.add_argument("path", help="the path the job recorded to (KERAS_RING_TIMELINE)")
@@ -294,11 +335,12 @@ def main(argv=None):
     plotting.add_argument("image")
     plotting.add_argument("--start-ms", type=float, default=None)
     plotting.add_argument("--duration-ms", type=float, default=None)
+    plotting.add_argument("--title", default=None)
     args = parser.parse_args(argv)
     if args.command == "merge":
         print(merge(args.path, args.output))
     else:
-        plot(args.trace, args.image, args.start_ms, args.duration_ms)
+        plot(args.trace, args.image, args.start_ms, args.duration_ms, args.title)
         print(args.image)
 
 

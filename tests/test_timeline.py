@@ -60,7 +60,8 @@ def test_timeline_from_the_environment_on_two_ranks(run_ranks, tmp_path):
     for rank in (0, 1):
         file = timeline.rank_file(path, rank)
         assert f"rank {rank} " in result.stdout and f"recording the timeline into {file}" in (
-            result.stdout), result.stdout
+            result.stdout
+        ), result.stdout
         json.loads(read(file))  # closed at shutdown: strict JSON
         check_sequence(file, rank)
     merged = timeline.merge(path)
@@ -71,8 +72,11 @@ def test_timeline_from_the_environment_on_two_ranks(run_ranks, tmp_path):
     assert {n.split(" (")[0] for n in names} == {"rank 0", "rank 1"}
     pytest.importorskip("matplotlib")
     image = tmp_path / "trace.png"
-    subprocess.run([sys.executable, "-m", "keras_ring.timeline", "plot", path, str(image)],
-                   check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "keras_ring.timeline", "plot", path, str(image)],
+        check=True,
+        timeout=120,
+    )
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -146,12 +150,15 @@ kr.shutdown()
 @pytest.mark.parametrize("level", ["debug", "WARNING", "bogus"])
 def test_log_level_filters_messages(level):
     env = {**os.environ, "KERAS_RING_LOG_LEVEL": level}
-    result = subprocess.run([sys.executable, "-c", LOGGING], capture_output=True, text=True,
-                            env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", LOGGING], capture_output=True, text=True, env=env, timeout=120
+    )
     if level == "bogus":
         assert result.returncode != 0
-        assert ("KERAS_RING_LOG_LEVEL must be one of trace, debug, info, warning, error. "
-                "Received: KERAS_RING_LOG_LEVEL=bogus") in result.stderr
+        assert (
+            "KERAS_RING_LOG_LEVEL must be one of trace, debug, info, warning, error. "
+            "Received: KERAS_RING_LOG_LEVEL=bogus"
+        ) in result.stderr
         return
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()

@@ -1,7 +1,6 @@
 #include "engine.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -233,11 +232,15 @@ kr_status Engine::Init(std::string* error) {
   shutdown_sent_ = false;
   running_ = true;
   thread_ = std::thread(&Engine::Loop, this);
-  KR_LOG(kInfo, "engine started: rank " + std::to_string(topology_.rank) + " of " +
-                    std::to_string(topology_.size) + ", fusion threshold " +
-                    std::to_string(fusion_threshold_) + " bytes, cycle time " +
-                    std::to_string(std::chrono::duration<double, std::milli>(cycle_time_).count()) +
-                    " ms, cache capacity " + std::to_string(cache_capacity_));
+  if (LogEnabled(LogLevel::kInfo)) {
+    char cycle[32];
+    std::snprintf(cycle, sizeof cycle, "%g",
+                  std::chrono::duration<double, std::milli>(cycle_time_).count());
+    Log(LogLevel::kInfo, "engine started: rank " + std::to_string(topology_.rank) + " of " +
+                             std::to_string(topology_.size) + ", fusion threshold " +
+                             std::to_string(fusion_threshold_) + " bytes, cycle time " + cycle +
+                             " ms, cache capacity " + std::to_string(cache_capacity_));
+  }
   return KR_OK;
 }
 
@@ -408,10 +411,9 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
                      (item.cache_id >= 0 ? " by cache id" : ""));
   list.items.push_back(std::move(item));
   if (timeline_.on()) {
-    const auto now = Timeline::Clock::now();
-    timeline_.Begin(RowName(req), "NEGOTIATE",
-                    req.submitted == Timeline::Clock::time_point() ? now : req.submitted,
-                    "\"request\":" + Timeline::Quote(m.Describe()));
+    const bool since_submission = req.submitted != Timeline::Clock::time_point();
+    timeline_.Row(req.process_set, name)
+        .Begin("NEGOTIATE", since_submission ? req.submitted : Timeline::Clock::now());
   }
   set.joined = set.joined || m.collective == Collective::kJoin;
   set.pending.emplace(name, std::move(req));
@@ -461,8 +463,9 @@ void Engine::Loop() {
       }
       if (progress && timeline_.mark_cycles()) {
         timeline_.Mark("CYCLE", Timeline::Clock::now(),
-                       "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
-                           std::to_string(got ? list.responses.size() : 0));
+                       std::make_shared<const std::string>(
+                           "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
+                           std::to_string(got ? list.responses.size() : 0)));
       }
       idle_passes = progress ? 0 : idle_passes + 1;
     }
@@ -814,7 +817,7 @@ void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Re
     throw;
   }
   // A fused collective records its own phases.
-  if (requests.size() == 1) TracePhase(requests, "COMMUNICATE", started, timeline_.Now());
+  if (requests.size() == 1) TracePhases(requests, {{"COMMUNICATE", started, timeline_.Now()}});
   stats_.collectives += 1;
   stats_.tensors += requests.size();
   if (requests.size() > 1) stats_.fused_tensors += requests.size();
@@ -822,38 +825,35 @@ void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Re
   for (const Request& req : requests) Complete(req, KR_OK, "");
 }
 
-std::string Engine::RowName(const Request& req) {
-  if (req.process_set == 0) return req.meta.name;
-  return req.meta.name + " (process set " + std::to_string(req.process_set) + ")";
-}
-
 void Engine::TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
                           const Response& resp, Timeline::Clock::time_point started) {
   const auto arrived = received_ == Timeline::Clock::time_point() ? started : received_;
-  std::string span = CollectiveName(requests[0].meta.collective);
-  for (char& c : span) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const char* span = CollectiveName(requests[0].meta.collective);  // written in capitals
   size_t bytes = 0;
   for (const Request& req : requests) {
     bytes += ElementCount(req.meta.shape) * DataTypeSize(req.meta.dtype);
   }
   // Every member counts the set's collectives alike: tensors with the same
   // group ran fused, on every rank.
-  const std::string args =
+  const auto args = std::make_shared<const std::string>(
       "\"group\":" + std::to_string(set.collectives_run) + ",\"tensors\":" +
       std::to_string(requests.size()) + ",\"bytes\":" + std::to_string(bytes) +
-      (resp.error.empty() ? "" : ",\"error\":" + Timeline::Quote(resp.error));
+      (resp.error.empty() ? "" : ",\"error\":" + Timeline::Quote(resp.error)));
   for (const Request& req : requests) {
-    const std::string row = RowName(req);
-    timeline_.End(row, arrived);  // NEGOTIATE
-    timeline_.Begin(row, span.c_str(), arrived, args);
-    timeline_.Nested(row, "QUEUE", arrived, started);
+    auto row = timeline_.Row(req.process_set, req.meta.name);
+    row.End(arrived);  // NEGOTIATE
+    row.Begin(span, arrived, args);
+    row.Nested("QUEUE", arrived, started);
   }
 }
 
-void Engine::TracePhase(const std::vector<Request>& requests, const char* phase,
-                        Timeline::Clock::time_point start, Timeline::Clock::time_point end) {
-  if (!timeline_.on() || start == Timeline::Clock::time_point()) return;
-  for (const Request& req : requests) timeline_.Nested(RowName(req), phase, start, end);
+void Engine::TracePhases(const std::vector<Request>& requests,
+                         std::initializer_list<Phase> phases) {
+  if (!timeline_.on() || phases.begin()->start == Timeline::Clock::time_point()) return;
+  for (const Request& req : requests) {
+    auto row = timeline_.Row(req.process_set, req.meta.name);
+    for (const Phase& p : phases) row.Nested(p.name, p.start, p.end);
+  }
 }
 
 void Engine::Complete(const Request& req, kr_status status, const std::string& message) {
@@ -861,12 +861,12 @@ void Engine::Complete(const Request& req, kr_status status, const std::string& m
     req.Complete(status, message);
     return;
   }
-  const std::string row = RowName(req);
   const auto start = Timeline::Clock::now();
   req.Complete(status, message);
   const auto end = Timeline::Clock::now();
-  timeline_.Nested(row, "DONE", start, end);
-  timeline_.End(row, end);
+  auto row = timeline_.Row(req.process_set, req.meta.name);
+  row.Nested("DONE", start, end);
+  row.End(end);
 }
 
 kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::string* error) {
@@ -916,9 +916,9 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
     if (bytes) std::memcpy(req.output, packed, bytes);
     packed += bytes;
   }
-  TracePhase(requests, "PACK", packing, packed_at);
-  TracePhase(requests, "COMMUNICATE", packed_at, reduced);
-  TracePhase(requests, "UNPACK", reduced, timeline_.Now());
+  TracePhases(requests, {{"PACK", packing, packed_at},
+                        {"COMMUNICATE", packed_at, reduced},
+                        {"UNPACK", reduced, timeline_.Now()}});
 }
 
 void Engine::RunBroadcast(ProcessSet& set, const Request& req) {

@@ -105,13 +105,14 @@ class Engine {
   // Runs one agreed collective (several requests when fused).
   void Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp);
   void RunAllreduce(ProcessSet& set, const std::vector<Request>& requests);
-  // Timeline rows: the tensor's name, and its set when not the whole job.
-  static std::string RowName(const Request& req);
   // The collective's span on each request's row, from the response's arrival.
   void TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
                     const Response& resp, Timeline::Clock::time_point started);
-  void TracePhase(const std::vector<Request>& requests, const char* phase,
-                  Timeline::Clock::time_point start, Timeline::Clock::time_point end);
+  struct Phase {
+    const char* name;
+    Timeline::Clock::time_point start, end;  // start is zero if the timeline was off
+  };
+  void TracePhases(const std::vector<Request>& requests, std::initializer_list<Phase> phases);
   // Completes the request, ending its span.
   void Complete(const Request& req, kr_status status, const std::string& message);
   void RunBroadcast(ProcessSet& set, const Request& req);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -15,7 +16,7 @@ namespace {
 // The writer wakes this often, or sooner when this much is buffered: after a
 // crash the file lacks at most the last moments.
 constexpr auto kWriteInterval = std::chrono::milliseconds(100);
-constexpr size_t kWriteSoon = size_t(1) << 20;
+constexpr size_t kWriteSoon = 16384;  // events
 
 bool WriteAll(int fd, const std::string& bytes) {
   size_t done = 0;
@@ -61,20 +62,16 @@ bool Timeline::Start(const std::string& path, int rank, bool mark_cycles, std::s
   fd_ = fd;
   rank_ = rank;
   stopping_ = false;
-  first_event_ = true;
   rows_.clear();
-  buffer_ = "[";
+  next_row_ = 1;
+  events_.clear();
   constexpr std::chrono::seconds k2025(1735689600);  // 2025-01-01T00:00:00Z in Unix time
   epoch_offset_ = std::chrono::duration_cast<std::chrono::microseconds>(
       std::chrono::system_clock::now().time_since_epoch() - k2025 -
       Clock::now().time_since_epoch());
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  const std::string pid = ",\"pid\":" + std::to_string(rank);
-  Append("{\"name\":\"process_name\",\"ph\":\"M\"" + pid + ",\"args\":{\"name\":" +
-         Quote("rank " + std::to_string(rank) + " (" + host + ")") + "}}");
-  Append("{\"name\":\"process_sort_index\",\"ph\":\"M\"" + pid + ",\"args\":{\"sort_index\":" +
-         std::to_string(rank) + "}}");
+  host_ = host;
   mark_cycles_ = mark_cycles;
   writer_ = std::thread(&Timeline::WriteLoop, this);
   on_ = true;
@@ -94,16 +91,25 @@ void Timeline::Stop() {
 }
 
 void Timeline::WriteLoop() {
+  const std::string pid = ",\"pid\":" + std::to_string(rank_);
+  std::string text = "[\n{\"name\":\"process_name\",\"ph\":\"M\"" + pid + ",\"args\":{\"name\":" +
+                     Quote("rank " + std::to_string(rank_) + " (" + host_ + ")") +
+                     "}},\n{\"name\":\"process_sort_index\",\"ph\":\"M\"" + pid +
+                     ",\"args\":{\"sort_index\":" + std::to_string(rank_) + "}}";
+  bool ok = WriteAll(fd_, text);
+  text.clear();
+  std::vector<Event> batch;
   std::unique_lock<std::mutex> lock(mu_);
-  bool ok = true;
   for (;;) {
-    wake_.wait_for(lock, kWriteInterval, [&] { return stopping_ || buffer_.size() >= kWriteSoon; });
-    std::string batch;
-    batch.swap(buffer_);
+    wake_.wait_for(lock, kWriteInterval, [&] { return stopping_ || events_.size() >= kWriteSoon; });
+    batch.swap(events_);
     const bool last = stopping_;
     lock.unlock();
-    if (last) batch += "\n]\n";
-    ok = ok && WriteAll(fd_, batch);  // after a failed write, drop the rest
+    for (const Event& e : batch) Format(e, &text);
+    batch.clear();
+    if (last) text += "\n]\n";
+    ok = ok && WriteAll(fd_, text);  // after a failed write, drop the rest
+    text.clear();
     lock.lock();
     if (last) break;
   }
@@ -111,78 +117,97 @@ void Timeline::WriteLoop() {
   fd_ = -1;
 }
 
-void Timeline::Append(const std::string& event) {
-  buffer_ += first_event_ ? "\n" : ",\n";
-  buffer_ += event;
-  first_event_ = false;
-  if (buffer_.size() >= kWriteSoon) wake_.notify_one();
-}
-
-std::string Timeline::Ts(Clock::time_point at) const {
-  const long long ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           at.time_since_epoch() + epoch_offset_).count();
-  char text[40];
-  std::snprintf(text, sizeof text, "%lld.%03lld", ns / 1000, ns % 1000);
-  return text;
-}
-
-Timeline::Row& Timeline::RowOf(const std::string& tensor) {
-  auto found = rows_.find(tensor);
-  if (found != rows_.end()) return found->second;
-  const int id = static_cast<int>(rows_.size()) + 1;
-  const std::string ids = ",\"pid\":" + std::to_string(rank_) + ",\"tid\":" + std::to_string(id);
-  Append("{\"name\":\"thread_name\",\"ph\":\"M\"" + ids + ",\"args\":{\"name\":" + Quote(tensor) +
-         "}}");
-  Append("{\"name\":\"thread_sort_index\",\"ph\":\"M\"" + ids + ",\"args\":{\"sort_index\":" +
-         std::to_string(id) + "}}");
-  return rows_.emplace(tensor, Row{id, Clock::time_point(), 0}).first->second;
-}
-
-void Timeline::Begin(const std::string& tensor, const char* name, Clock::time_point at,
-                     const std::string& args) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_ || fd_ < 0) return;
-  Row& row = RowOf(tensor);
-  if (row.open == 0) at = std::max(at, row.free_from);
-  row.open += 1;
-  Append("{\"name\":\"" + std::string(name) + "\",\"ph\":\"B\",\"pid\":" + std::to_string(rank_) +
-         ",\"tid\":" + std::to_string(row.id) + ",\"ts\":" + Ts(at) +
-         (args.empty() ? "" : ",\"args\":{" + args + "}") + "}");
-}
-
-void Timeline::End(const std::string& tensor, Clock::time_point at) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_ || fd_ < 0) return;
-  Row& row = RowOf(tensor);
-  if (row.open == 0) return;  // begun before recording started
-  row.open -= 1;
-  if (row.open == 0) {
-    at = std::max(at, row.free_from);
-    row.free_from = at;
+void Timeline::Format(const Event& e, std::string* out) const {
+  // Each event on a line of its own that begins with the separator: the file
+  // is whole events at any moment.
+  char line[256];
+  int n;
+  if (e.ph == 'M') {
+    n = std::snprintf(line, sizeof line,
+                      ",\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,"
+                      "\"args\":{\"sort_index\":%d}},\n{\"name\":\"thread_name\",\"ph\":\"M\","
+                      "\"pid\":%d,\"tid\":%d,\"args\":{\"name\":",
+                      rank_, e.row, e.row, rank_, e.row);
+    out->append(line, std::min<size_t>(n, sizeof line - 1));
+    *out += Quote(*e.args);
+    *out += "}}";
+    return;
   }
-  Append("{\"ph\":\"E\",\"pid\":" + std::to_string(rank_) + ",\"tid\":" + std::to_string(row.id) +
-         ",\"ts\":" + Ts(at) + "}");
+  const long long ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           e.ts.time_since_epoch() + epoch_offset_).count();
+  n = std::snprintf(line, sizeof line, ",\n{\"ph\":\"%c\",\"pid\":%d,\"tid\":%d,\"ts\":%lld.%03lld",
+                    e.ph, rank_, e.row, ns / 1000, ns % 1000);
+  if (e.name) {
+    n += std::snprintf(line + n, sizeof line - n, ",\"name\":\"");
+    for (const char* c = e.name; *c && n < 200; ++c) {  // names are literals: short
+      line[n++] = static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
+    }
+    line[n++] = '"';
+  }
+  if (e.ph == 'X') {
+    n += std::snprintf(line + n, sizeof line - n, ",\"dur\":%.3f",
+                       std::chrono::duration<double, std::micro>(e.dur).count());
+  }
+  if (e.ph == 'i') n += std::snprintf(line + n, sizeof line - n, ",\"s\":\"p\"");
+  out->append(line, n);
+  if (e.args) {
+    *out += ",\"args\":{";
+    *out += *e.args;
+    *out += '}';
+  }
+  *out += '}';
 }
 
-void Timeline::Nested(const std::string& tensor, const char* name, Clock::time_point start,
-                      Clock::time_point end) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_ || fd_ < 0) return;
-  Row& row = RowOf(tensor);
-  if (row.open == 0) return;
-  const double us = std::chrono::duration<double, std::micro>(end - start).count();
-  char dur[32];
-  std::snprintf(dur, sizeof dur, "%.3f", us);
-  Append("{\"name\":\"" + std::string(name) + "\",\"ph\":\"X\",\"pid\":" + std::to_string(rank_) +
-         ",\"tid\":" + std::to_string(row.id) + ",\"ts\":" + Ts(start) + ",\"dur\":" + dur + "}");
+void Timeline::Record(Event event) {
+  events_.push_back(std::move(event));
+  if (events_.size() == kWriteSoon) wake_.notify_one();
 }
 
-void Timeline::Mark(const char* name, Clock::time_point at, const std::string& args) {
+Timeline::RowState* Timeline::RowOf(int32_t set, const std::string& tensor) {
+  if (stopping_ || fd_ < 0) return nullptr;
+  auto& rows = rows_[set];
+  auto found = rows.find(tensor);
+  if (found != rows.end()) return &found->second;
+  const int id = next_row_++;
+  Record({'M', nullptr, id, {}, {},
+          std::make_shared<const std::string>(
+              set == 0 ? tensor : tensor + " (process set " + std::to_string(set) + ")")});
+  return &rows.emplace(tensor, RowState{id, Clock::time_point(), 0}).first->second;
+}
+
+Timeline::RowEvents Timeline::Row(int32_t set, const std::string& tensor) {
+  std::unique_lock<std::mutex> lock(mu_);
+  RowState* row = RowOf(set, tensor);
+  return RowEvents(this, std::move(lock), row);
+}
+
+void Timeline::RowEvents::Begin(const char* name, Clock::time_point at, Args args) {
+  if (!row_) return;
+  if (row_->open == 0) at = std::max(at, row_->free_from);
+  row_->open += 1;
+  timeline_->Record({'B', name, row_->id, at, {}, std::move(args)});
+}
+
+void Timeline::RowEvents::End(Clock::time_point at) {
+  if (!row_ || row_->open == 0) return;  // begun before recording started
+  row_->open -= 1;
+  if (row_->open == 0) {
+    at = std::max(at, row_->free_from);
+    row_->free_from = at;
+  }
+  timeline_->Record({'E', nullptr, row_->id, at, {}, nullptr});
+}
+
+void Timeline::RowEvents::Nested(const char* name, Clock::time_point start,
+                                 Clock::time_point end) {
+  if (!row_ || row_->open == 0) return;
+  timeline_->Record({'X', name, row_->id, start, end - start, nullptr});
+}
+
+void Timeline::Mark(const char* name, Clock::time_point at, Args args) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_ || fd_ < 0) return;
-  Append("{\"name\":\"" + std::string(name) + "\",\"ph\":\"i\",\"s\":\"p\",\"pid\":" +
-         std::to_string(rank_) + ",\"tid\":0,\"ts\":" + Ts(at) +
-         (args.empty() ? "" : ",\"args\":{" + args + "}") + "}");
+  Record({'i', name, 0, at, {}, std::move(args)});
 }
 
 }  // namespace keras_ring

@@ -23,8 +23,10 @@ mode, path = sys.argv[1], sys.argv[2]
 
 
 def sequence(step=""):
-    handles = [_engine.submit(_engine.ALLREDUCE, np.full(5, i, np.float32), f"fused.{k}{step}")
-               for i, k in enumerate("abc")]
+    handles = [
+        _engine.submit(_engine.ALLREDUCE, np.full(5, i, np.float32), f"fused.{k}{step}")
+        for i, k in enumerate("abc")
+    ]
     for h in handles:
         h.wait()
     _engine.submit(_engine.ALLREDUCE, np.ones(7, np.float64), f"single{step}").wait()
