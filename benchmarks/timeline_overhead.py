@@ -2,21 +2,23 @@
 
     keras-ring-run -np 2 python benchmarks/timeline_overhead.py [--rounds 15] [--iters 20]
 
-Runs separate jobs for "off" and "on" and the machine's load changes between
-them; here every round times a block of calls with the timeline off, then a
-block with it on (`kr.start_timeline` / `kr.stop_timeline` between blocks),
-so both see the same conditions. Rank 0 prints, per case, the median block
-time of each and the median of the rounds' on/off ratios. Writes JSON and a
-PNG plot to benchmarks/results/.
+Separate jobs for "off" and "on" see different machine loads; here every
+round times a block of `iters` calls with the timeline off, then a block with
+it on, from `kr.start_timeline` to the return of `kr.stop_timeline` (which
+waits for the writer thread to format and write the block's events), so
+the writing counts too; blocks last 50 ms at least. Rank 0 prints, per case,
+the median time per call of each and the median of the rounds' on/off
+ratios. Writes JSON and a PNG plot to benchmarks/results/.
 """
 
 import argparse
+import math
 import os
 import tempfile
+import time
 
 import numpy as np
 from _report import save_plot, write_results
-from _timing import median_seconds
 from mpi4py import MPI  # initialises MPI first; keras-ring shares it
 
 import keras_ring as kr
@@ -37,10 +39,24 @@ def many(tensors, tag):
     return run
 
 
+def block_seconds(fn, iters, comm, trace=None):
+    """Seconds per call of `iters` calls (with a timeline into `trace`), slowest rank's."""
+    comm.Barrier()
+    start = time.perf_counter()
+    if trace:
+        kr.start_timeline(trace)
+    for _ in range(iters):
+        fn()
+    if trace:
+        kr.stop_timeline()
+    seconds = (time.perf_counter() - start) / iters
+    return comm.allreduce(seconds, op=MPI.MAX)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=20, help="calls per block, at least")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
@@ -52,12 +68,12 @@ def main():
         label = f"{count} x {nbytes // 1024} KiB"
         run = many(tensors, label)
         run()  # warm up (and fill the response cache)
+        # Blocks of at least 50 ms: starting and stopping the timeline is then noise.
+        iters = max(args.iters, math.ceil(0.05 / block_seconds(run, 3, comm)))
         off, on = [], []
         for _ in range(args.rounds):
-            off.append(median_seconds(run, args.iters, comm))
-            kr.start_timeline(trace)
-            on.append(median_seconds(run, args.iters, comm))
-            kr.stop_timeline()
+            off.append(block_seconds(run, iters, comm))
+            on.append(block_seconds(run, iters, comm, trace))
         ratios = [b / a for a, b in zip(off, on)]
         rows.append(
             {

@@ -168,3 +168,21 @@ def test_log_level_filters_messages(level):
     warned = [line for line in lines if "keras-ring warning: a warning said once" in line]
     assert len(warned) == 1, result.stderr
     assert warned[0].startswith("[20") and " UTC rank 0 " in warned[0], warned[0]
+
+
+@pytest.mark.multirank
+def test_timeline_records_a_stalled_tensor_failing(run_ranks, tmp_path):
+    # Rank 1 never submits "stalled": the error reaches it with no request of its own.
+    worker = os.path.join(os.path.dirname(__file__), "workers", "stall_worker.py")
+    path = str(tmp_path / "stall.json")
+    env = {
+        "KERAS_RING_TIMELINE": path,
+        "KERAS_RING_STALL_CHECK_TIME": "1",
+        "KERAS_RING_STALL_SHUTDOWN_TIME": "3",
+    }
+    run_ranks(2, worker, timeout=120, env=env)
+    stalled = rows_and_spans(timeline.rank_file(path, 0))["stalled"]
+    failed = [s for s in stalled if s["name"] == "ALLREDUCE"]
+    assert len(failed) == 1 and "giving up" in failed[0]["args"]["error"], stalled
+    assert "stalled" not in rows_and_spans(timeline.rank_file(path, 1))
+    assert "after" in rows_and_spans(timeline.rank_file(path, 1))

@@ -766,7 +766,8 @@ void Engine::Execute(ResponseList& list) {
 
 void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp) {
   const auto started = timeline_.Now();
-  if (timeline_.on()) TraceRunning(set, requests, resp, started);
+  // A stalled tensor's error reaches ranks that never submitted it: no requests.
+  if (timeline_.on() && !requests.empty()) TraceRunning(set, requests, resp, started);
   set.collectives_run += 1;
   if (!resp.error.empty()) {
     for (const Request& req : requests) {
@@ -945,8 +946,8 @@ void* Engine::AllocateOutput(const Request& req, const std::vector<int64_t>& sha
   if (!*failed) return out;
   scratch->resize(bytes);
   Complete(req, KR_INTERNAL, std::string("keras-ring: could not allocate the output of ") +
-                                CollectiveName(req.meta.collective) + " for tensor '" +
-                                req.meta.name + "'");
+                                 CollectiveName(req.meta.collective) + " for tensor '" +
+                                 req.meta.name + "'");
   return scratch->data();
 }
 

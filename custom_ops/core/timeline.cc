@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 
@@ -117,39 +118,75 @@ void Timeline::WriteLoop() {
   fd_ = -1;
 }
 
+namespace {
+
+// Appends `value` in decimal.
+void AppendInt(long long value, std::string* out) {
+  char digits[24];
+  auto end = std::to_chars(digits, digits + sizeof digits, value).ptr;
+  out->append(digits, end);
+}
+
+// Appends nanoseconds as microseconds with three decimals: what the format's
+// "ts" and "dur" are in.
+void AppendMicros(long long ns, std::string* out) {
+  if (ns < 0) {
+    *out += '-';
+    ns = -ns;
+  }
+  AppendInt(ns / 1000, out);
+  const int frac = static_cast<int>(ns % 1000);
+  const char decimals[] = {'.', char('0' + frac / 100), char('0' + frac / 10 % 10),
+                           char('0' + frac % 10)};
+  out->append(decimals, sizeof decimals);
+}
+
+}  // namespace
+
 void Timeline::Format(const Event& e, std::string* out) const {
   // Each event on a line of its own that begins with the separator: the file
-  // is whole events at any moment.
-  char line[256];
-  int n;
+  // is whole events at any moment. Written by hand: this runs for every event.
   if (e.ph == 'M') {
-    n = std::snprintf(line, sizeof line,
-                      ",\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,"
-                      "\"args\":{\"sort_index\":%d}},\n{\"name\":\"thread_name\",\"ph\":\"M\","
-                      "\"pid\":%d,\"tid\":%d,\"args\":{\"name\":",
-                      rank_, e.row, e.row, rank_, e.row);
-    out->append(line, std::min<size_t>(n, sizeof line - 1));
-    *out += Quote(*e.args);
-    *out += "}}";
+    for (const char* field : {"thread_sort_index", "thread_name"}) {
+      *out += ",\n{\"name\":\"";
+      *out += field;
+      *out += "\",\"ph\":\"M\",\"pid\":";
+      AppendInt(rank_, out);
+      *out += ",\"tid\":";
+      AppendInt(e.row, out);
+      *out += ",\"args\":{";
+      if (field[7] == 's') {
+        *out += "\"sort_index\":";
+        AppendInt(e.row, out);
+      } else {
+        *out += "\"name\":" + Quote(*e.args);
+      }
+      *out += "}}";
+    }
     return;
   }
-  const long long ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           e.ts.time_since_epoch() + epoch_offset_).count();
-  n = std::snprintf(line, sizeof line, ",\n{\"ph\":\"%c\",\"pid\":%d,\"tid\":%d,\"ts\":%lld.%03lld",
-                    e.ph, rank_, e.row, ns / 1000, ns % 1000);
+  *out += ",\n{\"ph\":\"";
+  *out += e.ph;
+  *out += "\",\"pid\":";
+  AppendInt(rank_, out);
+  *out += ",\"tid\":";
+  AppendInt(e.row, out);
+  *out += ",\"ts\":";
+  AppendMicros(std::chrono::duration_cast<std::chrono::nanoseconds>(e.ts.time_since_epoch() +
+                                                                    epoch_offset_).count(),
+               out);
   if (e.name) {
-    n += std::snprintf(line + n, sizeof line - n, ",\"name\":\"");
-    for (const char* c = e.name; *c && n < 200; ++c) {  // names are literals: short
-      line[n++] = static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
+    *out += ",\"name\":\"";
+    for (const char* c = e.name; *c; ++c) {  // literals, written in capitals
+      *out += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
     }
-    line[n++] = '"';
+    *out += '"';
   }
   if (e.ph == 'X') {
-    n += std::snprintf(line + n, sizeof line - n, ",\"dur\":%.3f",
-                       std::chrono::duration<double, std::micro>(e.dur).count());
+    *out += ",\"dur\":";
+    AppendMicros(std::chrono::duration_cast<std::chrono::nanoseconds>(e.dur).count(), out);
   }
-  if (e.ph == 'i') n += std::snprintf(line + n, sizeof line - n, ",\"s\":\"p\"");
-  out->append(line, n);
+  if (e.ph == 'i') *out += ",\"s\":\"p\"";
   if (e.args) {
     *out += ",\"args\":{";
     *out += *e.args;
