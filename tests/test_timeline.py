@@ -50,26 +50,30 @@ def check_sequence(path, rank, step=""):
             groups.add(top[collective]["args"]["group"])
     assert len(groups) == 1, groups  # one collective for the three
     assert {s["pid"] for spans in by_tensor.values() for s in spans} == {rank}
+    return groups.pop()
 
 
 @pytest.mark.multirank
-def test_timeline_from_the_environment_on_two_ranks(run_ranks, tmp_path):
+@pytest.mark.parametrize("np_", [2, 3])
+def test_timeline_from_the_environment(run_ranks, tmp_path, np_):
     path = str(tmp_path / "trace.json")
     env = {"KERAS_RING_TIMELINE": path, "KERAS_RING_LOG_LEVEL": "info", **FUSING}
-    result = run_ranks(2, WORKER, "env", path, timeout=300, env=env)
-    for rank in (0, 1):
+    result = run_ranks(np_, WORKER, "env", path, timeout=300, env=env)
+    groups = set()
+    for rank in range(np_):
         file = timeline.rank_file(path, rank)
         assert f"rank {rank} " in result.stdout and f"recording the timeline into {file}" in (
             result.stdout
         ), result.stdout
         json.loads(read(file))  # closed at shutdown: strict JSON
-        check_sequence(file, rank)
+        groups.add(check_sequence(file, rank))
+    assert len(groups) == 1, groups  # every rank numbers the fused collective alike
     merged = timeline.merge(path)
     assert merged == path
     events = json.loads(read(path))
-    assert {e["pid"] for e in events} == {0, 1}
+    assert {e["pid"] for e in events} == set(range(np_))
     names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    assert {n.split(" (")[0] for n in names} == {"rank 0", "rank 1"}
+    assert {n.split(" (")[0] for n in names} == {f"rank {r}" for r in range(np_)}
     pytest.importorskip("matplotlib")
     image = tmp_path / "trace.png"
     subprocess.run(
