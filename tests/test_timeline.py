@@ -132,12 +132,24 @@ def test_rank_files_and_merge_errors(tmp_path):
         timeline.merge(str(tmp_path / "none.json"))
 
 
-def test_start_timeline_needs_init():
-    import keras_ring as kr
+NOT_INITIALISED = """
+import keras_ring as kr
+kr.stop_timeline()  # nothing recording: nothing to do
+try:
+    kr.start_timeline("never.json")
+except ValueError as e:
+    print(e)
+"""
 
-    with pytest.raises(ValueError, match="needs keras_ring.init"):
-        kr.start_timeline("/tmp/never.json")
-    kr.stop_timeline()  # nothing recording: nothing to do
+
+def test_start_timeline_needs_init(tmp_path):
+    # A fresh process: this one may have initialised keras-ring in another test.
+    result = subprocess.run(
+        [sys.executable, "-c", NOT_INITIALISED], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "start_timeline() needs keras_ring.init()" in result.stdout, result.stdout
+    assert not os.path.exists(tmp_path / "never.rank0.json")
 
 
 LOGGING = """
