@@ -5,14 +5,19 @@
 Every method reduces the same float32 buffer, interleaved round by round so
 that the machine's noise hits all methods alike. Rank 0 prints a table (median
 time, algbw = bytes / time, busbw = algbw * 2(p-1)/p as nccl-tests define
-them, and each method's time relative to mpi4py), and writes JSON and a PNG
-plot to benchmarks/results/.
+them, and each method's time relative to mpi4py and to the memory-bandwidth
+floor), and writes JSON and a PNG plot to benchmarks/results/.
+
+The floor is every rank copying its buffer once, all at the same time
+(`np.copyto`): no allreduce on one host can move less memory than that, so
+each method's time is also printed as a multiple of it.
 """
 
 import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # idle BLAS threads spin otherwise
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -56,8 +61,11 @@ def main():
         def mpi4py():
             comm.Allreduce(host, out, op=MPI.SUM)
 
+        def floor():
+            np.copyto(out, host)
+
         methods = {"keras-ring TF op": tf_op, "keras-ring engine": binding,
-                   "mpi4py Allreduce": mpi4py}
+                   "mpi4py Allreduce": mpi4py, "memcpy floor": floor}
         for fn in methods.values():  # warm up: first-use costs are not what we measure
             fn()
         for name, fn in methods.items():
@@ -68,18 +76,22 @@ def main():
     if rank != 0:
         return
     base = {r["bytes"]: r["seconds"] for r in rows if r["method"] == "mpi4py Allreduce"}
-    print(f"\nallreduce float32, {size} ranks, median of {args.iters}; MPI: "
+    floor = {r["bytes"]: r["seconds"] for r in rows if r["method"] == "memcpy floor"}
+    print(f"\nallreduce float32, {size} ranks, median of {args.iters}, KERAS_RING_SHM="
+          f"{os.environ.get('KERAS_RING_SHM', '1')}; MPI: "
           f"{MPI.Get_library_version().splitlines()[0]}")
     print(f"{'method':<20}{'MiB':>8}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}"
-          f"{'x mpi4py':>10}")
+          f"{'x mpi4py':>10}{'x floor':>9}")
     for r in rows:
         r["time_vs_mpi4py"] = r["seconds"] / base[r["bytes"]]
+        r["time_vs_floor"] = r["seconds"] / floor[r["bytes"]]
         print(f"{r['method']:<20}{r['bytes'] / 2**20:>8.1f}{r['seconds'] * 1e3:>10.2f}"
-              f"{r['algbw_GBps']:>12.2f}{r['busbw_GBps']:>12.2f}{r['time_vs_mpi4py']:>10.2f}")
+              f"{r['algbw_GBps']:>12.2f}{r['busbw_GBps']:>12.2f}{r['time_vs_mpi4py']:>10.2f}"
+              f"{r['time_vs_floor']:>9.2f}")
     name = f"allreduce_vs_mpi4py_{size}ranks"
     fig, ax = write_results(args.out, name, {"ranks": size, "iters": args.iters, "rows": rows},
                             figsize=(6, 4))
-    for method in dict.fromkeys(r["method"] for r in rows):
+    for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "memcpy floor"):
         pts = [r for r in rows if r["method"] == method]
         ax.plot([r["bytes"] / 2**20 for r in pts], [r["busbw_GBps"] for r in pts], "o-",
                 label=method)

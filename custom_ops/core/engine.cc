@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -8,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <random>
 
 #include "algorithms.h"
 #include "log.h"
@@ -47,6 +50,8 @@ void SetError(std::string* error, const std::string& message) {
 
 constexpr size_t kDefaultFusionThreshold = size_t(64) << 20;
 constexpr size_t kDefaultCacheCapacity = 1024;
+// Bytes of one shared-memory round (each rank maps two per member).
+constexpr size_t kDefaultShmSlotBytes = size_t(1) << 20;
 constexpr double kDefaultStallCheckSeconds = 60;
 // How often an otherwise idle coordinator wakes to receive ready lists and
 // look for stalls: once a second costs nothing measurable.
@@ -151,6 +156,10 @@ kr_status Engine::Init(std::string* error) {
     cache_capacity_ = Setting<unsigned long long>(
         {"KERAS_RING_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"}, kDefaultCacheCapacity,
         "a number of tensor names", ParseCount);
+    shared_memory_ = Setting<unsigned long long>({"KERAS_RING_SHM"}, 1, "0 or 1", ParseCount);
+    shm_slot_bytes_ = Setting<unsigned long long>({"KERAS_RING_SHM_SLOT_BYTES"},
+                                                  kDefaultShmSlotBytes, "a number of bytes",
+                                                  ParseCount);
     stall_shutdown_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"}, 0.0,
         "a number of seconds", ParseSeconds));
@@ -224,6 +233,12 @@ kr_status Engine::Init(std::string* error) {
   world.comm = data_comm_;
   world.transport = std::make_unique<MpiTransport>(data_comm_);
   if (coordinating_) world.coordinator = std::make_unique<Coordinator>(world.size(), cache_capacity_);
+  try {
+    SetUpSharedMemory(world, 0);
+  } catch (const EngineError& e) {
+    SetError(error, e.what());
+    return KR_INTERNAL;
+  }
   set_ranks_ = {{0, world.ranks}};
   decided_.clear();
   decided_since_ = {};
@@ -514,6 +529,10 @@ bool Engine::OutsideASet() const {
 }
 
 void Engine::Abandon(const std::string& reason) {
+  // Peers waiting in shared memory for this rank stop waiting.
+  for (auto& entry : sets_) {
+    if (entry.second.shm) entry.second.shm->Stop();
+  }
   // Best effort: the transport may be what failed.
   try {
     if (coordinating_) {
@@ -882,6 +901,20 @@ kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::
 
 void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests) {
   const TensorMeta& m = requests[0].meta;
+  if (set.shm) {
+    // Inputs are copied straight into shared memory and results straight
+    // out of it: no packing, fused or not.
+    ShmAllreduceOptions o;
+    for (const Request& req : requests) {
+      o.spans.push_back({req.input, req.output, ElementCount(req.meta.shape)});
+    }
+    o.dtype = m.dtype;
+    o.op = m.op;
+    o.prescale_factor = m.prescale_factor;
+    o.postscale_factor = m.postscale_factor;
+    set.shm->Allreduce(o);
+    return;
+  }
   const size_t esize = DataTypeSize(m.dtype);
   AllreduceOptions o;
   o.dtype = m.dtype;
@@ -1041,6 +1074,7 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
   if (set.rank >= 0) {
     MPI_Comm_set_errhandler(set.comm, MPI_ERRORS_RETURN);
     set.transport = std::make_unique<MpiTransport>(set.comm);
+    SetUpSharedMemory(set, *id);
   }
   if (coordinating_) {
     set.coordinator = std::make_unique<Coordinator>(set.size(), cache_capacity_);
@@ -1048,6 +1082,40 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   set_ranks_[*id] = ranks;
+}
+
+void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
+  if (!shared_memory_ || set.size() < 2) return;
+  MPI_Comm local;
+  CheckMpi(MPI_Comm_split_type(set.comm, MPI_COMM_TYPE_SHARED, set.rank, MPI_INFO_NULL, &local),
+           "MPI_Comm_split_type (process set)");
+  int local_size = 0;
+  MPI_Comm_size(local, &local_size);
+  MPI_Comm_free(&local);
+  if (local_size != set.size()) return;  // the set spans hosts
+  // Unique on the host: the first member's pid (which lets a later job spot
+  // the segments of a crashed one) and a random number.
+  char key[64] = {};
+  if (set.rank == 0) {
+    const unsigned long long nonce =
+        (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+    std::snprintf(key, sizeof key, "%dx%016llx-%d", static_cast<int>(getpid()), nonce, id);
+  }
+  CheckMpi(MPI_Bcast(key, sizeof key, MPI_CHAR, 0, set.comm), "MPI_Bcast (shared memory)");
+  auto all_agree = [&](bool ok) {
+    int mine = ok, all = 0;
+    CheckMpi(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_LAND, set.comm),
+             "MPI_Allreduce (shared memory)");
+    return all != 0;
+  };
+  std::string why;
+  set.shm = ShmGroup::Create(set.rank, set.ranks, key, shm_slot_bytes_, all_agree, &why);
+  if (!set.shm && !why.empty()) {
+    std::fprintf(stderr,
+                 "keras-ring: warning: rank %d cannot use shared memory (%s); process set %d "
+                 "allreduces over MPI instead\n",
+                 topology_.rank, why.c_str(), id);
+  }
 }
 
 void Engine::DestroyProcessSet(int32_t id) {

@@ -20,6 +20,7 @@
 #include "common.h"
 #include "negotiation.h"
 #include "timeline.h"
+#include "shm.h"
 #include "transport/transport.h"
 
 namespace keras_ring {
@@ -49,6 +50,8 @@ struct ProcessSet {
   int rank = -1;                 // this process's rank within the set; -1: not a member
   MPI_Comm comm = MPI_COMM_NULL;  // data communicator of the members
   std::unique_ptr<Transport> transport;
+  // Members on one host: allreduce through shared memory instead.
+  std::unique_ptr<ShmGroup> shm;
   // World rank 0 coordinates every set, member or not.
   std::unique_ptr<Coordinator> coordinator;
   // Members only: requests sent to the coordinator and not yet completed.
@@ -126,6 +129,9 @@ class Engine {
   void* AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
                        std::vector<char>* scratch, bool* failed);
   void CreateProcessSet(const std::vector<int>& ranks, int32_t* id);
+  // Collective over the set's members: maps their shared memory if they are
+  // all on this host (and it is not turned off).
+  void SetUpSharedMemory(ProcessSet& set, int32_t id);
   void DestroyProcessSet(int32_t id);
   bool InFlight() const;
   // Rank 0 has coordinating to do that its own requests do not show.
@@ -161,6 +167,8 @@ class Engine {
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
   size_t fusion_threshold_ = 0;
   size_t cache_capacity_ = 0;
+  bool shared_memory_ = true;
+  size_t shm_slot_bytes_ = 0;
   std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
   std::chrono::steady_clock::duration cycle_time_{};  // 0: send agreed tensors at once
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective

@@ -27,92 +27,6 @@ std::string Describe(int p, size_t count, double pre, double post, size_t segmen
          " post=" + ToString(post) + " segment=" + std::to_string(segment) + ": ";
 }
 
-// Rank `rank`'s distinct input. Floats stay in ranges where the reduction of
-// five ranks neither overflows nor underflows, and carry NaN and infinities
-// at fixed places; integers take every bit pattern, so Sum and Product wrap.
-template <typename D>
-std::vector<typename D::Storage> RankInput(size_t count, int rank, int size, ReduceOp op) {
-  using S = typename D::Storage;
-  std::vector<S> v(count);
-  for (size_t i = 0; i < count; ++i) {
-    const uint64_t h = Mix(rank, i, static_cast<uint64_t>(op));
-    if constexpr (D::kInteger) {
-      v[i] = static_cast<S>(h);
-    } else if (op == ReduceOp::kProduct) {
-      const double magnitude = 0.5 + 1.5 * Unit(h);
-      v[i] = D::FromDouble((h & 1) ? -magnitude : magnitude);
-    } else {
-      v[i] = D::FromDouble(Unit(h) * 8.0 - 4.0);
-    }
-  }
-  if constexpr (!D::kInteger) {
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    const double inf = std::numeric_limits<double>::infinity();
-    if (rank == 0 && count > 5) {
-      v[3] = D::FromDouble(nan);
-      v[5] = D::FromDouble(inf);
-    }
-    if (rank == size - 1 && count > 6) {
-      v[4] = D::FromDouble(nan);
-      v[6] = D::FromDouble(-inf);
-    }
-  }
-  return v;
-}
-
-template <typename D>
-struct Expected {
-  std::vector<typename D::Storage> values;
-  std::vector<double> tolerance;  // absolute, per element
-};
-
-// The serial reference. Integer results and Min/Max are exact, since their
-// arithmetic does not depend on the order. Float Sum and Product are
-// computed in double and allowed the rounding of p + 1 operations in the
-// dtype (p - 1 reductions, the post-scale and the reference's own rounding);
-// the prescaled inputs are rounded exactly as the kernels round them.
-template <typename D>
-Expected<D> ReferenceAllreduce(const std::vector<std::vector<typename D::Storage>>& inputs,
-                               size_t count, ReduceOp op, double pre, double post) {
-  using S = typename D::Storage;
-  const int p = static_cast<int>(inputs.size());
-  if (op == ReduceOp::kAverage) {
-    op = ReduceOp::kSum;
-    post *= 1.0 / p;
-  }
-  const bool min_max = op == ReduceOp::kMin || op == ReduceOp::kMax;
-  Expected<D> e{std::vector<S>(count), std::vector<double>(count, 0.0)};
-  for (size_t i = 0; i < count; ++i) {
-    if constexpr (D::kInteger) {
-      uint64_t acc = op == ReduceOp::kProduct ? 1 : 0;
-      S m = RefScale<D>(inputs[0][i], pre);
-      for (int r = 0; r < p; ++r) {
-        const S v = RefScale<D>(inputs[r][i], pre);
-        acc = RefWrap(acc, v, op);
-        m = RefMinMax(m, v, op);
-      }
-      e.values[i] = RefScale<D>(min_max ? m : static_cast<S>(acc), post);
-    } else if (min_max) {
-      double m = D::ToDouble(RefScale<D>(inputs[0][i], pre));
-      for (int r = 1; r < p; ++r) m = RefMinMax(m, D::ToDouble(RefScale<D>(inputs[r][i], pre)), op);
-      e.values[i] = RefScale<D>(D::FromDouble(m), post);
-    } else {
-      double acc = op == ReduceOp::kProduct ? 1.0 : 0.0;
-      double magnitude = 0.0;
-      for (int r = 0; r < p; ++r) {
-        const double v = D::ToDouble(RefScale<D>(inputs[r][i], pre));
-        acc = op == ReduceOp::kProduct ? acc * v : acc + v;
-        magnitude += std::fabs(v);
-      }
-      const double result = acc * post;
-      e.values[i] = D::FromDouble(result);
-      const double scale = op == ReduceOp::kProduct ? std::fabs(result) : magnitude * std::fabs(post);
-      e.tolerance[i] = (p + 1) * D::Epsilon() * scale + p * D::DenormMin();
-    }
-  }
-  return e;
-}
-
 template <typename D>
 void CheckAllreduce(int p, ReduceOp op, size_t count, double pre, double post,
                     size_t segment_bytes) {
@@ -149,13 +63,6 @@ void CheckAllreduce(int p, ReduceOp op, size_t count, double pre, double post,
       KR_FAIL(context + "rank " + std::to_string(r) + " differs from rank 0");
     }
   }
-}
-
-// Scales that change every result: negative (swaps Min and Max), and for
-// integers odd products that truncate.
-template <typename D>
-std::pair<double, double> NontrivialScales() {
-  return D::kInteger ? std::make_pair(-3.0, 0.5) : std::make_pair(-0.5, 3.0);
 }
 
 KR_TEST_CASES(RegisterAllreduceTests) {

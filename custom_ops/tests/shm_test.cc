@@ -1,0 +1,305 @@
+// The shared-memory group: ranks as threads (or a forked process) of this
+// machine, checked against the same serial reference as the ring.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "../core/shm.h"
+#include "harness.h"
+#include "test_util.h"
+
+namespace kr_test {
+namespace {
+
+using keras_ring::EngineError;
+using keras_ring::ShmAllreduceOptions;
+using keras_ring::ShmGroup;
+using keras_ring::ShmSpan;
+
+// all_agree for threads: a barrier that ANDs what every thread passed.
+class Agreement {
+ public:
+  explicit Agreement(int size) : size_(size) {}
+  bool operator()(bool ok) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t generation = generation_;
+    all_ok_ = all_ok_ && ok;
+    if (++arrived_ == size_) {
+      result_ = all_ok_;
+      all_ok_ = true;
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation_ != generation; });
+    }
+    return result_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int size_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool all_ok_ = true, result_ = true;
+};
+
+std::string UniqueKey() {
+  static int counter = 0;
+  return std::to_string(getpid()) + "xtest" + std::to_string(counter++);
+}
+
+std::vector<int> WorldRanks(int p) {
+  std::vector<int> ranks;
+  for (int r = 0; r < p; ++r) ranks.push_back(10 + r);  // distinct from group ranks
+  return ranks;
+}
+
+// Names in /dev/shm that start with kr-<key>.
+std::vector<std::string> Leftovers(const std::string& key) {
+  std::vector<std::string> found;
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (const dirent* e = readdir(dir)) {
+      if (std::string(e->d_name).rfind("kr-" + key, 0) == 0) found.push_back(e->d_name);
+    }
+    closedir(dir);
+  }
+  return found;
+}
+
+// Runs body(group) on p threads sharing one freshly created group.
+void RunShmRanks(int p, size_t slot_bytes, const std::function<void(ShmGroup&)>& body) {
+  Agreement agree(p);
+  const std::string key = UniqueKey();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        std::string why;
+        std::unique_ptr<ShmGroup> g = ShmGroup::Create(
+            r, WorldRanks(p), key, slot_bytes, [&](bool ok) { return agree(ok); }, &why);
+        if (!g) {
+          KR_FAIL("rank " + std::to_string(r) + " could not create the group: " + why);
+          return;
+        }
+        KR_EXPECT_EQ(g->size(), p);
+        body(*g);
+      } catch (const std::exception& e) {
+        KR_FAIL("rank " + std::to_string(r) + ": " + e.what());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  KR_EXPECT(Leftovers(key).empty());
+}
+
+// Cuts count elements into spans whose sizes depend on the rank (some empty).
+template <typename S>
+std::vector<ShmSpan> Spans(const std::vector<S>& in, std::vector<S>& out, int rank) {
+  std::vector<ShmSpan> spans;
+  size_t at = 0;
+  for (int i = 0; at < in.size() || i == 0; ++i) {
+    const size_t n = std::min(in.size() - at, size_t(Mix(rank, i) % 300));
+    spans.push_back({in.data() + at, out.data() + at, n});
+    at += n;
+  }
+  return spans;
+}
+
+enum class Layout { kInPlace, kSeparate, kSpans };
+
+template <typename D>
+void CheckShmAllreduce(int p, ReduceOp op, size_t count, double pre, double post,
+                       size_t slot_bytes, Layout layout) {
+  using S = typename D::Storage;
+  std::vector<std::vector<S>> inputs(p), outputs(p);
+  for (int r = 0; r < p; ++r) {
+    inputs[r] = RankInput<D>(count, r, p, op);
+    outputs[r].assign(count, S{});
+  }
+  const Expected<D> want = ReferenceAllreduce<D>(inputs, count, op, pre, post);
+  const std::vector<std::vector<S>> original = inputs;
+
+  RunShmRanks(p, slot_bytes, [&](ShmGroup& g) {
+    const int r = g.rank();
+    ShmAllreduceOptions o;
+    if (layout == Layout::kInPlace) {
+      o.spans = {{inputs[r].data(), inputs[r].data(), count}};
+    } else if (layout == Layout::kSeparate) {
+      o.spans = {{inputs[r].data(), outputs[r].data(), count}};
+    } else {
+      o.spans = Spans(inputs[r], outputs[r], r);
+    }
+    o.dtype = D::kType;
+    o.op = op;
+    o.prescale_factor = pre;
+    o.postscale_factor = post;
+    g.Allreduce(o);
+  });
+
+  const std::string context = "p=" + std::to_string(p) + " count=" + std::to_string(count) +
+                              " pre=" + ToString(pre) + " post=" + ToString(post) +
+                              " slot=" + std::to_string(slot_bytes) +
+                              " layout=" + std::to_string(static_cast<int>(layout)) + ": ";
+  const auto& result = layout == Layout::kInPlace ? inputs : outputs;
+  for (size_t i = 0; i < count; ++i) {
+    if (!Matches<D>(result[0][i], want.values[i], want.tolerance[i])) {
+      KR_FAIL(context + "rank 0 index " + std::to_string(i) + ": got " +
+              ValueString<D>(result[0][i]) + ", want " + ValueString<D>(want.values[i]) +
+              " +- " + ToString(want.tolerance[i]));
+      break;
+    }
+  }
+  for (int r = 0; r < p; ++r) {
+    if (count > 0 && std::memcmp(result[r].data(), result[0].data(), count * sizeof(S)) != 0) {
+      KR_FAIL(context + "rank " + std::to_string(r) + " differs from rank 0");
+    }
+    if (layout != Layout::kInPlace && count > 0 &&
+        std::memcmp(inputs[r].data(), original[r].data(), count * sizeof(S)) != 0) {
+      KR_FAIL(context + "rank " + std::to_string(r) + "'s input was changed");
+    }
+  }
+}
+
+KR_TEST_CASES(RegisterShmAllreduceTests) {
+  ForEachDtype([](auto dtype) {
+    using D = decltype(dtype);
+    const std::string name = keras_ring::DataTypeName(D::kType);
+    for (ReduceOp op : kAllOps) {
+      for (int p = 1; p <= 4; ++p) {
+        Register("shm_allreduce/" + name + "/" + keras_ring::ReduceOpName(op) + "/p" +
+                     std::to_string(p),
+                 [p, op] {
+                   const auto [pre, post] = NontrivialScales<D>();
+                   // 256-byte slots: many rounds, blocks of one cache line
+                   // and empty blocks when a round is short.
+                   for (size_t count : {0, 1, 7, 1001}) {
+                     CheckShmAllreduce<D>(p, op, count, 1.0, 1.0, 256, Layout::kInPlace);
+                     CheckShmAllreduce<D>(p, op, count, pre, post, 256, Layout::kSeparate);
+                   }
+                   CheckShmAllreduce<D>(p, op, 65537, pre, post, 4096, Layout::kSpans);
+                   CheckShmAllreduce<D>(p, op, 65537, 1.0, 1.0, 1 << 20, Layout::kInPlace);
+                 });
+      }
+    }
+  });
+  constexpr size_t kLarge = (size_t(1) << 22) + 3;
+  for (int p : {2, 3}) {
+    Register("shm_allreduce_large/float32/sum/p" + std::to_string(p), [p] {
+      CheckShmAllreduce<Float32>(p, ReduceOp::kSum, kLarge, 1.0, 1.0, 1 << 20, Layout::kSpans);
+    });
+  }
+}
+
+KR_TEST(ShmGroupsRunManyCollectivesInARow) {
+  RunShmRanks(3, 512, [](ShmGroup& g) {
+    for (int i = 0; i < 200; ++i) {
+      std::vector<int32_t> v(i % 37, g.rank() + i);
+      ShmAllreduceOptions o;
+      o.spans = {{v.data(), v.data(), v.size()}};
+      o.dtype = keras_ring::DataType::kInt32;
+      o.op = ReduceOp::kSum;
+      g.Allreduce(o);
+      for (int32_t x : v) KR_EXPECT_EQ(x, 3 * i + 3);
+    }
+  });
+}
+
+KR_TEST(ShmPeerThatStopsMakesTheOthersFailNamingIt) {
+  RunShmRanks(3, 4096, [](ShmGroup& g) {
+    std::vector<float> v(10000, 1.0f);
+    ShmAllreduceOptions o;
+    o.spans = {{v.data(), v.data(), v.size()}};
+    if (g.rank() == 2) {
+      g.Stop();
+      return;
+    }
+    KR_EXPECT_THROW(g.Allreduce(o), EngineError, "rank 12 stopped");
+  });
+}
+
+KR_TEST(ShmSetupFailureOnOneRankGivesNoGroupAnywhereAndLeavesNothing) {
+  const int p = 3;
+  Agreement agree(p);
+  const std::string key = UniqueKey();
+  // Rank 1's name is taken already.
+  const std::string taken = "/kr-" + key + "-1";
+  const int fd = shm_open(taken.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  KR_EXPECT(fd >= 0);
+  close(fd);
+  std::vector<std::string> why(p);
+  std::vector<bool> created(p, true);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p; ++r) {
+    threads.emplace_back([&, r] {
+      created[r] = ShmGroup::Create(r, WorldRanks(p), key, 4096,
+                                    [&](bool ok) { return agree(ok); }, &why[r]) != nullptr;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < p; ++r) KR_EXPECT(!created[r]);
+  KR_EXPECT(why[1].find("shm_open(" + taken + ")") != std::string::npos);
+  KR_EXPECT(why[0].empty() && why[2].empty());
+  shm_unlink(taken.c_str());
+  KR_EXPECT(Leftovers(key).empty());
+}
+
+KR_TEST(ShmSegmentsOfADeadJobAreRemoved) {
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  waitpid(child, nullptr, 0);  // now a pid that is not running
+  const std::string stale = std::to_string(child) + "xstale-0";
+  const int fd = shm_open(("/kr-" + stale).c_str(), O_CREAT | O_RDWR, 0600);
+  KR_EXPECT(fd >= 0);
+  close(fd);
+  RunShmRanks(2, 4096, [](ShmGroup&) {});  // rank 0 sweeps at setup
+  KR_EXPECT(Leftovers(stale).empty());
+}
+
+// all_agree between two processes over a pair of pipes.
+struct PipeAgreement {
+  int to_peer, from_peer;
+  bool operator()(bool ok) const {
+    char mine = ok, theirs = 0;
+    if (write(to_peer, &mine, 1) != 1 || read(from_peer, &theirs, 1) != 1) return false;
+    return ok && theirs;
+  }
+};
+
+KR_TEST(ShmPeerProcessThatDiesMakesTheOtherFail) {
+  int a[2], b[2];
+  KR_EXPECT(pipe(a) == 0 && pipe(b) == 0);
+  const std::string key = UniqueKey();
+  const pid_t child = fork();
+  if (child == 0) {
+    // Rank 1: joins the group, then exits without taking part.
+    auto g = ShmGroup::Create(1, {10, 11}, key, 4096, PipeAgreement{b[1], a[0]}, nullptr);
+    _exit(g ? 0 : 1);
+  }
+  auto g = ShmGroup::Create(0, {10, 11}, key, 4096, PipeAgreement{a[1], b[0]}, nullptr);
+  KR_EXPECT(g != nullptr);
+  if (g) {
+    std::vector<double> v(5000, 1.0);
+    ShmAllreduceOptions o;
+    o.spans = {{v.data(), v.data(), v.size()}};
+    o.dtype = keras_ring::DataType::kFloat64;
+    // The child is a zombie until reaped: that counts as dead too.
+    KR_EXPECT_THROW(g->Allreduce(o), EngineError, "rank 11 (pid " + std::to_string(child));
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  KR_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  for (int fd : {a[0], a[1], b[0], b[1]}) close(fd);
+  KR_EXPECT(Leftovers(key).empty());
+}
+
+}  // namespace
+}  // namespace kr_test
