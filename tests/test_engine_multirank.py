@@ -1,6 +1,7 @@
 """The engine's collectives under the launcher, through the NumPy binding."""
 
 import os
+import re
 
 import pytest
 
@@ -10,14 +11,38 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_worker.py")
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"KERAS_RING_FUSION_THRESHOLD": "0"}, {"KERAS_RING_CYCLE_TIME": "2"},
-     {"KERAS_RING_CACHE_CAPACITY": "0"}, {"KERAS_RING_CPU_KERNELS": "generic"}],
-    ids=["fusion", "no-fusion", "cycle-time", "no-cache", "generic-kernels"],
+    [
+        {"KR_TEST_PATH": "shm"},
+        {"KERAS_RING_FUSION_THRESHOLD": "0"},
+        {"KERAS_RING_CYCLE_TIME": "2"},
+        {"KERAS_RING_CACHE_CAPACITY": "0"},
+        {"KERAS_RING_SHM": "0", "KR_TEST_PATH": "mpi"},
+        {"KERAS_RING_CPU_KERNELS": "generic"},
+    ],
+    ids=["fusion", "no-fusion", "cycle-time", "no-cache", "mpi-ring", "generic-kernels"],
 )
 @pytest.mark.parametrize("np_", [2, 3])
 def test_engine_collectives(run_ranks, np_, settings):
     env = {"KR_TEST_EXPECTED_SIZE": str(np_), **settings}
     result = run_ranks(np_, WORKER, timeout=600, env=env)
+    for rank in range(np_):
+        assert f"rank {rank}: test_restart ok" in result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "hosts, settings, path",
+    [("2,2", {}, "hierarchical"), ("2,2", {"KERAS_RING_HIERARCHICAL_ALLREDUCE": "0"}, "mpi"),
+     ("2,1", {}, "mpi")],
+    ids=["hierarchical", "hierarchical-off", "uneven-hosts"],
+)
+def test_engine_collectives_across_pretended_hosts(run_ranks, hosts, settings, path):
+    # Hierarchical allreduce (shared memory within a host, MPI across) needs
+    # the same number of ranks on every host; otherwise the ring runs over MPI.
+    np_ = sum(int(n) for n in hosts.split(","))
+    fake_hosts = os.path.join(os.path.dirname(__file__), "workers", "fake_hosts.py")
+    env = {"KR_TEST_EXPECTED_SIZE": str(np_), "KR_TEST_PATH": path, **settings}
+    result = run_ranks(np_, fake_hosts, hosts, WORKER, timeout=600, env=env)
     for rank in range(np_):
         assert f"rank {rank}: test_restart ok" in result.stdout
 
@@ -57,3 +82,19 @@ def test_a_killed_rank_ends_the_job_and_is_named(run_ranks, np_):
     assert result.returncode == 128 + 9, result.stdout
     assert "rank 1 died of signal 9 (Killed)" in result.stdout
     assert "completed without rank 1" not in result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_rank_killed_in_a_shared_memory_allreduce_leaves_no_segments(run_ranks, np_):
+    worker = os.path.join(os.path.dirname(__file__), "workers", "shm_crash_worker.py")
+    result = run_ranks(np_, worker, timeout=120, check=False)
+    assert result.returncode == 128 + 9, result.stdout
+    assert "rank 1 died of signal 9 (Killed)" in result.stdout
+    assert "still running" not in result.stdout
+    pids = re.findall(r"rank \d+ pid (\d+)", result.stdout)
+    assert len(pids) == np_, result.stdout
+    # Segments are named kr-<pid of the host's first rank>x...
+    left = [name for name in os.listdir("/dev/shm")
+            if any(name.startswith(f"kr-{pid}x") for pid in pids)]
+    assert not left, left

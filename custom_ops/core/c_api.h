@@ -112,6 +112,8 @@ typedef struct kr_stats {
   uint64_t tensors;        /* requests completed by them */
   uint64_t fused_tensors;  /* of those, requests that shared a fused collective */
   uint64_t cached_tensors; /* requests this rank announced by response-cache id */
+  uint64_t shm_collectives;          /* allreduces run through shared memory */
+  uint64_t hierarchical_collectives; /* of those, the ones that spanned hosts */
 } kr_stats;
 
 /* Reducescatter: every rank passes a tensor of the same shape; rank r gets

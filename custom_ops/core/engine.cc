@@ -111,6 +111,31 @@ std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int si
   return "";
 }
 
+// The ranks of `comm` on this rank's host. KERAS_RING_HOSTNAME, if set,
+// names the host instead of MPI's shared-memory domains: ranks that give the
+// same name are one host (tests use it to run multi-host paths on one machine).
+MPI_Comm SplitByHost(MPI_Comm comm, int key) {
+  MPI_Comm local;
+  const char* name = std::getenv("KERAS_RING_HOSTNAME");
+  if (!name || !*name) {
+    CheckMpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, key, MPI_INFO_NULL, &local),
+             "MPI_Comm_split_type");
+    return local;
+  }
+  constexpr int kNameBytes = 256;
+  int size = 0;
+  MPI_Comm_size(comm, &size);
+  std::vector<char> mine(kNameBytes, 0), all(size_t(kNameBytes) * size);
+  std::strncpy(mine.data(), name, kNameBytes - 1);
+  CheckMpi(MPI_Allgather(mine.data(), kNameBytes, MPI_CHAR, all.data(), kNameBytes, MPI_CHAR,
+                         comm),
+           "MPI_Allgather (host names)");
+  int color = 0;  // the first rank with the same name
+  while (std::strncmp(&all[size_t(color) * kNameBytes], mine.data(), kNameBytes) != 0) ++color;
+  CheckMpi(MPI_Comm_split(comm, color, key, &local), "MPI_Comm_split (host names)");
+  return local;
+}
+
 unsigned long long ParseCount(const char* text, char** end) { return std::strtoull(text, end, 10); }
 double ParseSeconds(const char* text, char** end) { return std::strtod(text, end); }
 
@@ -157,6 +182,9 @@ kr_status Engine::Init(std::string* error) {
         {"KERAS_RING_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"}, kDefaultCacheCapacity,
         "a number of tensor names", ParseCount);
     shared_memory_ = Setting<unsigned long long>({"KERAS_RING_SHM"}, 1, "0 or 1", ParseCount);
+    hierarchical_ = Setting<unsigned long long>(
+        {"KERAS_RING_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"}, 1, "0 or 1",
+        ParseCount);
     shm_slot_bytes_ = Setting<unsigned long long>({"KERAS_RING_SHM_SLOT_BYTES"},
                                                   kDefaultShmSlotBytes, "a number of bytes",
                                                   ParseCount);
@@ -198,10 +226,7 @@ kr_status Engine::Init(std::string* error) {
     kr_topology t{};
     MPI_Comm_rank(control_comm_, &t.rank);
     MPI_Comm_size(control_comm_, &t.size);
-    MPI_Comm local, cross;
-    CheckMpi(MPI_Comm_split_type(control_comm_, MPI_COMM_TYPE_SHARED, t.rank, MPI_INFO_NULL,
-                                 &local),
-             "MPI_Comm_split_type");
+    MPI_Comm local = SplitByHost(control_comm_, t.rank), cross;
     MPI_Comm_rank(local, &t.local_rank);
     MPI_Comm_size(local, &t.local_size);
     CheckMpi(MPI_Comm_split(control_comm_, t.local_rank, t.rank, &cross), "MPI_Comm_split");
@@ -272,6 +297,7 @@ kr_status Engine::Shutdown(std::string* error) {
   running_ = false;
   for (auto& [id, set] : sets_) {
     if (id != 0 && set.comm != MPI_COMM_NULL) MPI_Comm_free(&set.comm);
+    if (set.cross_comm != MPI_COMM_NULL) MPI_Comm_free(&set.cross_comm);
   }
   sets_.clear();
   set_ranks_.clear();
@@ -912,7 +938,25 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
     o.op = m.op;
     o.prescale_factor = m.prescale_factor;
     o.postscale_factor = m.postscale_factor;
+    if (set.cross) {
+      // Hierarchical: each local rank's reduced block is reduced across
+      // hosts with the ranks of the same local rank, then shared locally.
+      if (o.op == ReduceOp::kAverage) {
+        o.op = ReduceOp::kSum;
+        o.postscale_factor /= set.size();
+      }
+      o.combine = [&](void* block, size_t count) {
+        AllreduceOptions cross;
+        cross.buffer = block;
+        cross.count = count;
+        cross.dtype = o.dtype;
+        cross.op = o.op;
+        RingAllreduce(*set.cross, cross);
+      };
+    }
     set.shm->Allreduce(o);
+    stats_.shm_collectives += 1;
+    if (set.cross) stats_.hierarchical_collectives += 1;
     return;
   }
   const size_t esize = DataTypeSize(m.dtype);
@@ -1086,22 +1130,33 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
 
 void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
   if (!shared_memory_ || set.size() < 2) return;
-  MPI_Comm local;
-  CheckMpi(MPI_Comm_split_type(set.comm, MPI_COMM_TYPE_SHARED, set.rank, MPI_INFO_NULL, &local),
-           "MPI_Comm_split_type (process set)");
-  int local_size = 0;
+  MPI_Comm local = SplitByHost(set.comm, set.rank);
+  int local_rank = 0, local_size = 0, min_local = 0, max_local = 0;
+  MPI_Comm_rank(local, &local_rank);
   MPI_Comm_size(local, &local_size);
-  MPI_Comm_free(&local);
-  if (local_size != set.size()) return;  // the set spans hosts
-  // Unique on the host: the first member's pid (which lets a later job spot
-  // the segments of a crashed one) and a random number.
+  MPI_Allreduce(&local_size, &min_local, 1, MPI_INT, MPI_MIN, set.comm);
+  MPI_Allreduce(&local_size, &max_local, 1, MPI_INT, MPI_MAX, set.comm);
+  // Across hosts: hierarchical when every host holds the same number (> 1)
+  // of members, so that the blocks of each local rank line up across hosts.
+  const bool spans_hosts = local_size != set.size();
+  if (spans_hosts && !(hierarchical_ && min_local == max_local && min_local > 1)) {
+    MPI_Comm_free(&local);
+    return;
+  }
+  // Unique on the host: the first local member's pid (which lets a later job
+  // spot the segments of a crashed one) and a random number.
   char key[64] = {};
-  if (set.rank == 0) {
+  if (local_rank == 0) {
     const unsigned long long nonce =
         (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
     std::snprintf(key, sizeof key, "%dx%016llx-%d", static_cast<int>(getpid()), nonce, id);
   }
-  CheckMpi(MPI_Bcast(key, sizeof key, MPI_CHAR, 0, set.comm), "MPI_Bcast (shared memory)");
+  std::vector<int> local_world(local_size);
+  CheckMpi(MPI_Bcast(key, sizeof key, MPI_CHAR, 0, local), "MPI_Bcast (shared memory)");
+  CheckMpi(MPI_Allgather(&topology_.rank, 1, MPI_INT, local_world.data(), 1, MPI_INT, local),
+           "MPI_Allgather (shared memory)");
+  MPI_Comm_free(&local);
+  // Agreed over the whole set: all hosts use shared memory, or none.
   auto all_agree = [&](bool ok) {
     int mine = ok, all = 0;
     CheckMpi(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_LAND, set.comm),
@@ -1109,12 +1164,19 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
     return all != 0;
   };
   std::string why;
-  set.shm = ShmGroup::Create(set.rank, set.ranks, key, shm_slot_bytes_, all_agree, &why);
+  set.shm = ShmGroup::Create(local_rank, local_world, key, shm_slot_bytes_, all_agree, &why);
   if (!set.shm && !why.empty()) {
     std::fprintf(stderr,
                  "keras-ring: warning: rank %d cannot use shared memory (%s); process set %d "
                  "allreduces over MPI instead\n",
                  topology_.rank, why.c_str(), id);
+  }
+  if (set.shm && spans_hosts) {
+    // The members with this local rank, one per host.
+    CheckMpi(MPI_Comm_split(set.comm, local_rank, set.rank, &set.cross_comm),
+             "MPI_Comm_split (hierarchical)");
+    MPI_Comm_set_errhandler(set.cross_comm, MPI_ERRORS_RETURN);
+    set.cross = std::make_unique<MpiTransport>(set.cross_comm);
   }
 }
 
@@ -1128,6 +1190,7 @@ void Engine::DestroyProcessSet(int32_t id) {
                                           "' was pending in it");
   }
   if (set.comm != MPI_COMM_NULL) MPI_Comm_free(&set.comm);
+  if (set.cross_comm != MPI_COMM_NULL) MPI_Comm_free(&set.cross_comm);
   sets_.erase(found);
   std::lock_guard<std::mutex> lock(mu_);
   set_ranks_.erase(id);

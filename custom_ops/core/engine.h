@@ -50,8 +50,12 @@ struct ProcessSet {
   int rank = -1;                 // this process's rank within the set; -1: not a member
   MPI_Comm comm = MPI_COMM_NULL;  // data communicator of the members
   std::unique_ptr<Transport> transport;
-  // Members on one host: allreduce through shared memory instead.
+  // Allreduce through shared memory among the members on this host; if the
+  // set spans hosts (hierarchical), `cross` links this member with those of
+  // the same local rank on the other hosts.
   std::unique_ptr<ShmGroup> shm;
+  MPI_Comm cross_comm = MPI_COMM_NULL;
+  std::unique_ptr<Transport> cross;
   // World rank 0 coordinates every set, member or not.
   std::unique_ptr<Coordinator> coordinator;
   // Members only: requests sent to the coordinator and not yet completed.
@@ -76,8 +80,9 @@ class Engine {
   bool initialized() const;
   kr_topology topology() const { return topology_; }
   kr_stats stats() const {
-    return {stats_.collectives.load(), stats_.tensors.load(), stats_.fused_tensors.load(),
-            stats_.cached_tensors.load()};
+    return {stats_.collectives.load(),     stats_.tensors.load(),
+            stats_.fused_tensors.load(),   stats_.cached_tensors.load(),
+            stats_.shm_collectives.load(), stats_.hierarchical_collectives.load()};
   }
   // Validates and queues; on refusal calls done itself and returns the status.
   kr_status Enqueue(const kr_request& request);
@@ -129,8 +134,9 @@ class Engine {
   void* AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
                        std::vector<char>* scratch, bool* failed);
   void CreateProcessSet(const std::vector<int>& ranks, int32_t* id);
-  // Collective over the set's members: maps their shared memory if they are
-  // all on this host (and it is not turned off).
+  // Collective over the set's members: maps the shared memory of the members
+  // on each host, if they are all on one host or (hierarchical) every host
+  // has the same number of them, and it is not turned off.
   void SetUpSharedMemory(ProcessSet& set, int32_t id);
   void DestroyProcessSet(int32_t id);
   bool InFlight() const;
@@ -168,6 +174,7 @@ class Engine {
   size_t fusion_threshold_ = 0;
   size_t cache_capacity_ = 0;
   bool shared_memory_ = true;
+  bool hierarchical_ = true;
   size_t shm_slot_bytes_ = 0;
   std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
   std::chrono::steady_clock::duration cycle_time_{};  // 0: send agreed tensors at once
@@ -175,7 +182,8 @@ class Engine {
   Timeline timeline_;
   Timeline::Clock::time_point received_;  // when the response list being run arrived
   struct {
-    std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0}, cached_tensors{0};
+    std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0}, cached_tensors{0},
+        shm_collectives{0}, hierarchical_collectives{0};
   } stats_;
 
   MPI_Comm control_comm_ = MPI_COMM_NULL;

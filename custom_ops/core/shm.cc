@@ -228,7 +228,8 @@ void ShmGroup::Arrive(uint64_t step) {
 // empty); rank c owns block c. Steps, each ended by every rank arriving:
 //
 //   1. copy in:  own slot <- the round's elements of this rank's input
-//   2. reduce:   own slot's block r (op)= block r of every peer's slot
+//   2. reduce:   own slot's block r (op)= block r of every peer's slot,
+//                then o.combine(block r), then post-scale it
 //   then copy out: output <- block c of rank c's slot, for every c
 //
 // Copying out is not waited for: the next round fills the other slot, and
@@ -276,6 +277,7 @@ void ShmGroup::Allreduce(const ShmAllreduceOptions& o) {
         ReduceInto(mine + first * esize, Slot(q, round) + first * esize, count, o.dtype, op);
       }
     }
+    if (o.combine) o.combine(mine + first * esize, count);
     ScaleBuffer(mine + first * esize, count, o.dtype, postscale);
     Arrive(step_ + 2);
     step_ += 2;

@@ -47,6 +47,11 @@ struct ShmAllreduceOptions {
   ReduceOp op = ReduceOp::kSum;  // kAverage = kSum with postscale / size
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;
+  // If set, runs on this rank's reduced block of every round before it is
+  // post-scaled and handed to the peers (the hierarchical allreduce reduces
+  // it across hosts here). Every rank's blocks are cut alike for the same
+  // total count, slot size and group size.
+  std::function<void(void* block, size_t count)> combine;
 };
 
 class ShmGroup {

@@ -257,6 +257,8 @@ PYBIND11_MODULE(_engine, m) {
     d["tensors"] = s.tensors;
     d["fused_tensors"] = s.fused_tensors;
     d["cached_tensors"] = s.cached_tensors;
+    d["shm_collectives"] = s.shm_collectives;
+    d["hierarchical_collectives"] = s.hierarchical_collectives;
     return d;
   }, "Counters since the process started: collectives run, tensors completed, fused tensors, "
      "tensors announced by response-cache id.");

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 
+#include "../core/algorithms.h"
 #include "../core/shm.h"
 #include "harness.h"
 #include "test_util.h"
@@ -197,6 +198,80 @@ KR_TEST_CASES(RegisterShmAllreduceTests) {
       CheckShmAllreduce<Float32>(p, ReduceOp::kSum, kLarge, 1.0, 1.0, 1 << 20, Layout::kSpans);
     });
   }
+}
+
+// Hierarchical allreduce as the engine composes it: one group per pretended
+// host, each rank's reduced block reduced across hosts by the ring among the
+// ranks of the same local rank, Average as Sum scaled by 1 / (all ranks).
+template <typename D>
+void CheckHierarchical(int hosts, int local, ReduceOp op, size_t count, size_t slot_bytes) {
+  using S = typename D::Storage;
+  const int p = hosts * local;
+  std::vector<std::vector<S>> buffers(p);
+  for (int r = 0; r < p; ++r) buffers[r] = RankInput<D>(count, r, p, op);
+  const Expected<D> want = ReferenceAllreduce<D>(buffers, count, op, 1.0, 1.0);
+  std::vector<std::unique_ptr<Agreement>> agree;
+  std::vector<std::string> keys;
+  for (int h = 0; h < hosts; ++h) {
+    agree.push_back(std::make_unique<Agreement>(local));
+    keys.push_back(UniqueKey());
+  }
+  std::vector<keras_ring::InProcessWorld> cross;
+  for (int l = 0; l < local; ++l) cross.emplace_back(hosts);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p; ++r) {
+    threads.emplace_back([&, r] {
+      const int h = r / local, l = r % local;
+      try {
+        auto g = ShmGroup::Create(l, WorldRanks(local), keys[h], slot_bytes,
+                                  [&](bool ok) { return (*agree[h])(ok); }, nullptr);
+        auto t = cross[l].Connect(h);
+        ShmAllreduceOptions o;
+        o.spans = {{buffers[r].data(), buffers[r].data(), count}};
+        o.dtype = D::kType;
+        o.op = op == ReduceOp::kAverage ? ReduceOp::kSum : op;
+        o.postscale_factor = op == ReduceOp::kAverage ? 1.0 / p : 1.0;
+        o.combine = [&](void* block, size_t n) {
+          keras_ring::AllreduceOptions a;
+          a.buffer = block;
+          a.count = n;
+          a.dtype = o.dtype;
+          a.op = o.op;
+          keras_ring::RingAllreduce(*t, a);
+        };
+        g->Allreduce(o);
+      } catch (const std::exception& e) {
+        KR_FAIL("rank " + std::to_string(r) + ": " + e.what());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < p; ++r) {
+    for (size_t i = 0; i < count; ++i) {
+      if (!Matches<D>(buffers[r][i], want.values[i], want.tolerance[i])) {
+        KR_FAIL("hosts=" + std::to_string(hosts) + " local=" + std::to_string(local) +
+                " count=" + std::to_string(count) + ": rank " + std::to_string(r) + " index " +
+                std::to_string(i) + ": got " + ValueString<D>(buffers[r][i]) + ", want " +
+                ValueString<D>(want.values[i]));
+        break;
+      }
+    }
+  }
+}
+
+KR_TEST_CASES(RegisterHierarchicalTests) {
+  for (ReduceOp op : kAllOps) {
+    Register(std::string("shm_hierarchical/float32/") + keras_ring::ReduceOpName(op), [op] {
+      for (auto [hosts, local] : {std::pair{2, 2}, {3, 2}, {2, 3}}) {
+        for (size_t count : {0, 1, 7, 1001, 70001}) {
+          CheckHierarchical<Float32>(hosts, local, op, count, 4096);
+        }
+      }
+    });
+  }
+  Register("shm_hierarchical/int64/sum", [] {
+    CheckHierarchical<Int64>(2, 2, ReduceOp::kSum, 70001, 1024);
+  });
 }
 
 KR_TEST(ShmGroupsRunManyCollectivesInARow) {

@@ -240,6 +240,22 @@ def test_fusion(rank, size):
         fail(f"engine counted {stats['tensors']} tensors after {len(cases)} requests")
 
 
+def test_transport(rank, size):
+    """The allreduces so far took the path the job's settings call for (KR_TEST_PATH)."""
+    local = os.environ.get("KR_TEST_LOCAL_SIZE")
+    if local and kr.local_size() != int(local):
+        fail(f"local_size {kr.local_size()} on a pretended host of {local} ranks")
+    expected = os.environ.get("KR_TEST_PATH")
+    if not expected:
+        return
+    stats = _engine.stats()
+    shm, hierarchical = stats["shm_collectives"], stats["hierarchical_collectives"]
+    got = "hierarchical" if hierarchical else "shm" if shm else "mpi"
+    if got != expected or (hierarchical and hierarchical != shm):
+        fail(f"expected the {expected} path, the engine counted {shm} shared-memory "
+             f"allreduces, {hierarchical} of them hierarchical")
+
+
 def test_objects(rank, size):
     for root in range(size):
         obj = {"root": rank, "payload": list(range(rank * 1000))} if rank == root else None
@@ -413,7 +429,8 @@ def main():
     if size != expected:
         fail(f"size {size}, expected {expected}")
     for test in (test_allreduce, test_allgather, test_reducescatter, test_alltoall,
-                 test_broadcast, test_out_of_order, test_fusion, test_objects, test_mismatch,
+                 test_broadcast, test_out_of_order, test_fusion, test_transport, test_objects,
+                 test_mismatch,
                  test_duplicate_name, test_cache, test_join, test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)

@@ -1,0 +1,25 @@
+"""Rank 1 is killed (SIGKILL) while every rank loops over shared-memory allreduces.
+
+Each rank prints its pid first, so that the test can look for shared-memory
+segments the job left behind: there must be none, and the job must end.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+import keras_ring as kr
+from keras_ring import _engine
+
+kr.init()
+print(f"rank {kr.rank()} pid {os.getpid()}", flush=True)
+if kr.rank() == 1:
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+x = np.ones(2**21, np.float32)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    _engine.submit(_engine.ALLREDUCE, x, "big").wait()
+print(f"rank {kr.rank()}: still running a minute after rank 1 was killed", flush=True)
