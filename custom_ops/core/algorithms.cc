@@ -156,6 +156,80 @@ void RingAllreduce(Transport& t, const AllreduceOptions& o) {
   RingAllgather(t, ag);
 }
 
+// Recursive doubling. With q the largest power of two <= p and e = p - q,
+// the first 2e ranks pair up first: each even one sends its buffer to the
+// odd one above it and sits out. The q remaining ranks, renumbered 0..q-1,
+// then exchange whole buffers with the rank whose new number differs in bit
+// k, for k = 0, 1, ...: after step k every rank holds the reduction over a
+// group of 2^(k+1). Finally each odd rank of the first 2e sends the result
+// back to its even partner. Both partners of an exchange compute a (op) b
+// with the same two operands, and the ops are commutative, so every rank
+// ends with the same bits. For p = 6 (q = 4, e = 2):
+//
+//   fold:    0 -> 1, 2 -> 3            (new numbers: 1->0, 3->1, 4->2, 5->3)
+//   step 0:  1 <-> 3, 4 <-> 5
+//   step 1:  1 <-> 4, 3 <-> 5
+//   unfold:  1 -> 0, 3 -> 2
+void RecursiveDoublingAllreduce(Transport& t, const AllreduceOptions& o) {
+  CheckReduction(o.dtype, o.op, o.buffer, o.count, "allreduce");
+  const int p = t.size();
+  const int r = t.rank();
+  const size_t element_bytes = DataTypeSize(o.dtype);
+  const size_t bytes = o.count * element_bytes;
+  const size_t segment = SegmentBytes(o.segment_bytes, element_bytes);
+  ReduceOp op = o.op;
+  double postscale = o.postscale_factor;
+  if (op == ReduceOp::kAverage) {
+    op = ReduceOp::kSum;
+    postscale *= 1.0 / p;
+  }
+  if (o.count == 0) return;
+  char* buf = static_cast<char*>(o.buffer);
+  ScaleBuffer(buf, o.count, o.dtype, o.prescale_factor);
+  std::vector<char> incoming(p > 1 ? bytes : 0);
+  auto reduce = [&](size_t off, size_t n) {
+    ReduceInto(buf + off, incoming.data() + off, n / element_bytes, o.dtype, op);
+  };
+  auto no_op = [](size_t, size_t) {};
+
+  int q = 1;
+  while (q * 2 <= p) q *= 2;
+  const int extra = p - q;
+  int me = r - extra;  // this rank's number among the q, or -1
+  if (r < 2 * extra) {
+    if (r % 2 == 0) {
+      RingStep(t, r + 1, buf, bytes, r + 1, nullptr, 0, segment, o.tag, no_op);
+      me = -1;
+    } else {
+      RingStep(t, r - 1, nullptr, 0, r - 1, incoming.data(), bytes, segment, o.tag, reduce);
+      me = r / 2;
+    }
+  }
+  if (me >= 0) {
+    for (int mask = 1; mask < q; mask <<= 1) {
+      const int partner_me = me ^ mask;
+      const int partner = partner_me < extra ? partner_me * 2 + 1 : partner_me + extra;
+      RingStep(t, partner, buf, bytes, partner, incoming.data(), bytes, segment, o.tag, reduce);
+    }
+  }
+  if (r < 2 * extra) {
+    if (r % 2 == 1) {
+      RingStep(t, r - 1, buf, bytes, r - 1, nullptr, 0, segment, o.tag, no_op);
+    } else {
+      RingStep(t, r + 1, nullptr, 0, r + 1, buf, bytes, segment, o.tag, no_op);
+    }
+  }
+  ScaleBuffer(buf, o.count, o.dtype, postscale);
+}
+
+void Allreduce(Transport& t, const AllreduceOptions& o) {
+  if (o.count * DataTypeSize(o.dtype) <= o.small_bytes) {
+    RecursiveDoublingAllreduce(t, o);
+  } else {
+    RingAllreduce(t, o);
+  }
+}
+
 // Ring allgather of variable-sized blocks. Each rank first copies its own
 // block into place; at step s (of p-1) rank r sends block (r-s) to r+1 and
 // receives block (r-s-1) from r-1 directly into the output, so every block

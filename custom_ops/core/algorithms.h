@@ -21,11 +21,21 @@ struct AllreduceOptions {
   double postscale_factor = 1.0;
   size_t segment_bytes = size_t(1) << 20;  // pipelining granularity
   int tag = 0;
+  // Allreduce() uses recursive doubling up to this many bytes, the ring above.
+  size_t small_bytes = 0;
 };
 
 // Ring allreduce: reduce-scatter then allgather, p-1 steps each, segmented so
-// that receiving the next segment overlaps reducing the current one.
+// that receiving the next segment overlaps reducing the current one. Each
+// rank sends 2(p-1)/p of the buffer: bandwidth-optimal, 2(p-1) latencies.
 void RingAllreduce(Transport& t, const AllreduceOptions& o);
+
+// Recursive doubling: log2(p) exchanges of the whole buffer (two more when p
+// is not a power of two): latency-optimal, for small buffers.
+void RecursiveDoublingAllreduce(Transport& t, const AllreduceOptions& o);
+
+// Picks one of the two by the buffer's size and o.small_bytes.
+void Allreduce(Transport& t, const AllreduceOptions& o);
 
 struct ReduceScatterOptions {
   void* buffer = nullptr;       // this rank's whole input; clobbered except its own block

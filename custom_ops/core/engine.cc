@@ -50,6 +50,9 @@ void SetError(std::string* error, const std::string& message) {
 
 constexpr size_t kDefaultFusionThreshold = size_t(64) << 20;
 constexpr size_t kDefaultCacheCapacity = 1024;
+// Up to this size an allreduce over MPI uses recursive doubling, the ring
+// above (measured: docs/performance.md).
+constexpr size_t kDefaultSmallAllreduceBytes = size_t(64) << 10;
 // Bytes of one shared-memory round (each rank maps two per member).
 constexpr size_t kDefaultShmSlotBytes = size_t(1) << 20;
 constexpr double kDefaultStallCheckSeconds = 60;
@@ -184,6 +187,9 @@ kr_status Engine::Init(std::string* error) {
     shared_memory_ = Setting<unsigned long long>({"KERAS_RING_SHM"}, 1, "0 or 1", ParseCount);
     hierarchical_ = Setting<unsigned long long>(
         {"KERAS_RING_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"}, 1, "0 or 1",
+        ParseCount);
+    small_allreduce_bytes_ = Setting<unsigned long long>(
+        {"KERAS_RING_SMALL_ALLREDUCE_BYTES"}, kDefaultSmallAllreduceBytes, "a number of bytes",
         ParseCount);
     shm_slot_bytes_ = Setting<unsigned long long>({"KERAS_RING_SHM_SLOT_BYTES"},
                                                   kDefaultShmSlotBytes, "a number of bytes",
@@ -951,7 +957,8 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
         cross.count = count;
         cross.dtype = o.dtype;
         cross.op = o.op;
-        RingAllreduce(*set.cross, cross);
+        cross.small_bytes = small_allreduce_bytes_;
+        Allreduce(*set.cross, cross);
       };
     }
     set.shm->Allreduce(o);
@@ -965,12 +972,13 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   o.op = m.op;
   o.prescale_factor = m.prescale_factor;
   o.postscale_factor = m.postscale_factor;
+  o.small_bytes = small_allreduce_bytes_;
   if (requests.size() == 1) {
     const Request& req = requests[0];
     o.count = ElementCount(m.shape);
     if (o.count && req.output != req.input) std::memcpy(req.output, req.input, o.count * esize);
     o.buffer = req.output;
-    RingAllreduce(*set.transport, o);
+    Allreduce(*set.transport, o);
     return;
   }
   // Fused: pack every input into one buffer, reduce once, unpack. Packing is
@@ -986,7 +994,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   }
   o.buffer = fusion_buffer_.data();
   const auto packed_at = timeline_.Now();
-  RingAllreduce(*set.transport, o);
+  Allreduce(*set.transport, o);
   const auto reduced = timeline_.Now();
   packed = fusion_buffer_.data();
   for (const Request& req : requests) {

@@ -176,6 +176,7 @@ class Engine {
   bool shared_memory_ = true;
   bool hierarchical_ = true;
   size_t shm_slot_bytes_ = 0;
+  size_t small_allreduce_bytes_ = 0;
   std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
   std::chrono::steady_clock::duration cycle_time_{};  // 0: send agreed tensors at once
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective

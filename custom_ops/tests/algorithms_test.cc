@@ -27,9 +27,11 @@ std::string Describe(int p, size_t count, double pre, double post, size_t segmen
          " post=" + ToString(post) + " segment=" + std::to_string(segment) + ": ";
 }
 
+using AllreduceFn = void (*)(Transport&, const AllreduceOptions&);
+
 template <typename D>
 void CheckAllreduce(int p, ReduceOp op, size_t count, double pre, double post,
-                    size_t segment_bytes) {
+                    size_t segment_bytes, AllreduceFn allreduce = keras_ring::RingAllreduce) {
   using S = typename D::Storage;
   std::vector<std::vector<S>> buffers(p);
   for (int r = 0; r < p; ++r) buffers[r] = RankInput<D>(count, r, p, op);
@@ -45,7 +47,7 @@ void CheckAllreduce(int p, ReduceOp op, size_t count, double pre, double post,
     o.postscale_factor = post;
     o.segment_bytes = segment_bytes;
     o.tag = 7;
-    keras_ring::RingAllreduce(t, o);
+    allreduce(t, o);
   });
 
   const std::string context = Describe(p, count, pre, post, segment_bytes);
@@ -99,6 +101,51 @@ KR_TEST_CASES(RegisterAllreduceTests) {
       }
     }
   });
+}
+
+KR_TEST_CASES(RegisterRecursiveDoublingTests) {
+  ForEachDtype([](auto dtype) {
+    using D = decltype(dtype);
+    const std::string name = keras_ring::DataTypeName(D::kType);
+    for (ReduceOp op : kAllOps) {
+      for (int p = 1; p <= 6; ++p) {
+        Register("recursive_doubling/" + name + "/" + keras_ring::ReduceOpName(op) + "/p" +
+                     std::to_string(p),
+                 [p, op] {
+                   const auto [pre, post] = NontrivialScales<D>();
+                   for (size_t count : {0, 1, 7, 1001}) {
+                     CheckAllreduce<D>(p, op, count, 1.0, 1.0, 21,
+                                       keras_ring::RecursiveDoublingAllreduce);
+                     CheckAllreduce<D>(p, op, count, pre, post, 21,
+                                       keras_ring::RecursiveDoublingAllreduce);
+                   }
+                   CheckAllreduce<D>(p, op, 65537, pre, post, 4100,
+                                     keras_ring::RecursiveDoublingAllreduce);
+                 });
+      }
+    }
+  });
+}
+
+// Allreduce() takes recursive doubling up to small_bytes: one exchange of
+// the whole buffer for two ranks, where the ring sends two halves.
+KR_TEST(AllreducePicksTheAlgorithmBySize) {
+  for (size_t small : {size_t(0), size_t(400), size_t(399)}) {
+    InProcessStats stats;
+    RunRanks(
+        2,
+        [&](Transport& t) {
+          std::vector<float> v(100, 1.0f);
+          AllreduceOptions o;
+          o.buffer = v.data();
+          o.count = v.size();
+          o.small_bytes = small;
+          keras_ring::Allreduce(t, o);
+          for (float x : v) KR_EXPECT_EQ(x, 2.0f);
+        },
+        &stats);
+    KR_EXPECT_EQ(stats.messages, small >= 400 ? 2u : 4u);
+  }
 }
 
 // Ring traffic: each rank sends 2(p-1)/p of the buffer, in messages no
