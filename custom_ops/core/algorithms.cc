@@ -187,9 +187,7 @@ void RecursiveDoublingAllreduce(Transport& t, const AllreduceOptions& o) {
   char* buf = static_cast<char*>(o.buffer);
   ScaleBuffer(buf, o.count, o.dtype, o.prescale_factor);
   std::vector<char> incoming(p > 1 ? bytes : 0);
-  auto reduce = [&](size_t off, size_t n) {
-    ReduceInto(buf + off, incoming.data() + off, n / element_bytes, o.dtype, op);
-  };
+  auto reduce = [&] { ReduceInto(buf, incoming.data(), o.count, o.dtype, op); };
   auto no_op = [](size_t, size_t) {};
 
   int q = 1;
@@ -201,7 +199,8 @@ void RecursiveDoublingAllreduce(Transport& t, const AllreduceOptions& o) {
       RingStep(t, r + 1, buf, bytes, r + 1, nullptr, 0, segment, o.tag, no_op);
       me = -1;
     } else {
-      RingStep(t, r - 1, nullptr, 0, r - 1, incoming.data(), bytes, segment, o.tag, reduce);
+      RingStep(t, r - 1, nullptr, 0, r - 1, incoming.data(), bytes, segment, o.tag, no_op);
+      reduce();
       me = r / 2;
     }
   }
@@ -209,7 +208,9 @@ void RecursiveDoublingAllreduce(Transport& t, const AllreduceOptions& o) {
     for (int mask = 1; mask < q; mask <<= 1) {
       const int partner_me = me ^ mask;
       const int partner = partner_me < extra ? partner_me * 2 + 1 : partner_me + extra;
-      RingStep(t, partner, buf, bytes, partner, incoming.data(), bytes, segment, o.tag, reduce);
+      // Reduced only once the send is complete: it reads `buf`.
+      RingStep(t, partner, buf, bytes, partner, incoming.data(), bytes, segment, o.tag, no_op);
+      reduce();
     }
   }
   if (r < 2 * extra) {

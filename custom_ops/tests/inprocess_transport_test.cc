@@ -19,9 +19,8 @@ KR_TEST(ReceivesMatchSendsInPostingOrderPerTag) {
   auto a = world.Connect(0);
   auto b = world.Connect(1);
   int one = 1, two = 2, seven = 7;
-  a->Send(&one, sizeof one, 1, 0);
-  a->Send(&seven, sizeof seven, 1, 5);
-  a->Send(&two, sizeof two, 1, 0);
+  PendingPtr sends[] = {a->Isend(&one, sizeof one, 1, 0), a->Isend(&seven, sizeof seven, 1, 5),
+                        a->Isend(&two, sizeof two, 1, 0)};
   int x = 0, y = 0, z = 0;
   PendingPtr first = b->Irecv(&x, sizeof x, 0, 0);
   PendingPtr second = b->Irecv(&y, sizeof y, 0, 0);
@@ -30,6 +29,7 @@ KR_TEST(ReceivesMatchSendsInPostingOrderPerTag) {
   other_tag->Wait();
   first->Wait();
   first->Wait();  // a second Wait is a no-op
+  for (PendingPtr& send : sends) send->Wait();
   KR_EXPECT_EQ(x, 1);
   KR_EXPECT_EQ(y, 2);
   KR_EXPECT_EQ(z, 7);
@@ -53,9 +53,27 @@ KR_TEST(ReceiveWaitsForALaterSendFromAnotherThread) {
 KR_TEST(ByteCountMismatchNamesBothCounts) {
   InProcessWorld world(2);
   std::vector<char> buf(100);
-  world.Connect(0)->Send(buf.data(), 50, 1, 0);
+  PendingPtr send = world.Connect(0)->Isend(buf.data(), 50, 1, 0);
   KR_EXPECT_THROW(world.Connect(1)->Recv(buf.data(), 100, 0, 0), EngineError,
                   "receive of 100 bytes from rank 0 (tag 0) but the matching send has 50 bytes");
+}
+
+// Like MPI's rendezvous protocol: the data is read from the sender's buffer
+// when the receive is waited for, so writing to it before the send completes
+// shows up as corrupted data (the mistake the algorithms must not make).
+KR_TEST(SendsReadTheirBufferWhenReceivedAndCompleteThen) {
+  InProcessWorld world(2, std::chrono::milliseconds(50));
+  auto a = world.Connect(0);
+  auto b = world.Connect(1);
+  int value = 1, got = 0;
+  PendingPtr send = a->Isend(&value, sizeof value, 1, 0);
+  value = 2;  // too early
+  b->Recv(&got, sizeof got, 0, 0);
+  send->Wait();
+  KR_EXPECT_EQ(got, 2);
+  PendingPtr unreceived = a->Isend(&value, sizeof value, 1, 0);
+  KR_EXPECT_THROW(unreceived->Wait(), EngineError,
+                  "rank 0 waited 50 ms for rank 1 to receive a message of 4 bytes (tag 0)");
 }
 
 KR_TEST(ReceiveTimesOutInsteadOfHanging) {
@@ -86,11 +104,13 @@ KR_TEST(SelfSendAndZeroBytes) {
   auto t = world.Connect(0);
   double in = 2.5, out = 0;
   PendingPtr r = t->Irecv(&out, sizeof out, 0, 1);
-  t->Send(&in, sizeof in, 0, 1);
+  PendingPtr s = t->Isend(&in, sizeof in, 0, 1);
   r->Wait();
+  s->Wait();
   KR_EXPECT_EQ(out, 2.5);
-  t->Send(nullptr, 0, 0, 2);
+  PendingPtr empty = t->Isend(nullptr, 0, 0, 2);
   t->Recv(nullptr, 0, 0, 2);
+  empty->Wait();
 }
 
 }  // namespace

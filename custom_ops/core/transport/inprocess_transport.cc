@@ -18,20 +18,29 @@ struct InProcessWorld::State {
   State(int world_size, std::chrono::milliseconds wait_timeout)
       : size(world_size), timeout(wait_timeout), arrived(world_size) {}
 
+  // A send not yet received. Like MPI's rendezvous protocol, the data is read
+  // from the sender's buffer only when the receiver waits for it, and the
+  // send completes then: an algorithm that writes to a buffer while its send
+  // is pending gets corrupted results in tests, as it would with MPI.
+  struct Message {
+    const char* data = nullptr;
+    size_t bytes = 0;
+    bool* received = nullptr;  // owned by the send's Pending
+  };
   // Messages from src to dst with one tag. Sends and receives are numbered in
   // the order they are posted and matched by number, which keeps the
   // transport's ordering guarantee even when receives are waited out of order.
   struct Channel {
     uint64_t sends_posted = 0;
     uint64_t receives_posted = 0;
-    std::map<uint64_t, std::vector<char>> messages;  // by send number
+    std::map<uint64_t, Message> messages;  // by send number
   };
   using ChannelKey = std::tuple<int, int, int>;  // (src, dst, tag)
 
   const int size;
   const std::chrono::milliseconds timeout;
   std::mutex mu;
-  std::vector<std::condition_variable> arrived;  // per receiving rank
+  std::vector<std::condition_variable> arrived;  // per rank: a message came or was taken
   std::map<ChannelKey, Channel> channels;        // guarded by mu
   InProcessStats stats;                          // guarded by mu
 
@@ -44,15 +53,43 @@ struct InProcessWorld::State {
   }
 };
 
-namespace {
-
-// Isend copies its data into the mailbox, so a send is complete once posted.
-class CompletedPending : public Pending {
+class InProcessWorld::SendPending : public Pending {
  public:
-  void Wait() override {}
-};
+  SendPending(std::shared_ptr<State> state, size_t bytes, int src, int dst, int tag)
+      : state_(std::move(state)), bytes_(bytes), src_(src), dst_(dst), tag_(tag) {}
 
-}  // namespace
+  // A send dropped without Wait() must not leave a pointer to its flag
+  // behind: its message is withdrawn (error paths only).
+  ~SendPending() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (received_) return;
+    auto& messages = state_->channels[{src_, dst_, tag_}].messages;
+    for (auto it = messages.begin(); it != messages.end(); ++it) {
+      if (it->second.received == &received_) {
+        messages.erase(it);
+        break;
+      }
+    }
+  }
+
+  void Wait() override {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    if (!state_->arrived[src_].wait_for(lock, state_->timeout, [&] { return received_; })) {
+      throw EngineError("keras-ring: rank " + std::to_string(src_) + " waited " +
+                        std::to_string(state_->timeout.count()) + " ms for rank " +
+                        std::to_string(dst_) + " to receive a message of " +
+                        std::to_string(bytes_) + " bytes (tag " + std::to_string(tag_) + ")");
+    }
+  }
+
+  bool* received() { return &received_; }
+
+ private:
+  std::shared_ptr<State> state_;
+  size_t bytes_;
+  int src_, dst_, tag_;
+  bool received_ = false;  // guarded by state_->mu
+};
 
 class InProcessWorld::ReceivePending : public Pending {
  public:
@@ -65,7 +102,6 @@ class InProcessWorld::ReceivePending : public Pending {
   // only happens on an error path, where the world is discarded anyway.
   void Wait() override {
     if (done_) return;
-    std::vector<char> data;
     {
       std::unique_lock<std::mutex> lock(state_->mu);
       State::Channel& channel = state_->channels[{src_, dst_, tag_}];
@@ -79,14 +115,18 @@ class InProcessWorld::ReceivePending : public Pending {
                           std::to_string(tag_) + ") that never came");
       }
       auto it = channel.messages.find(number_);
-      data = std::move(it->second);
+      const State::Message m = it->second;
+      KR_CHECK(m.bytes == bytes_, "rank " + std::to_string(dst_) + " posted a receive of " +
+                                      std::to_string(bytes_) + " bytes from rank " +
+                                      std::to_string(src_) + " (tag " + std::to_string(tag_) +
+                                      ") but the matching send has " + std::to_string(m.bytes) +
+                                      " bytes");
+      // Copied under the lock: the sender's Wait() cannot return meanwhile.
+      if (bytes_ > 0) std::memcpy(buf_, m.data, bytes_);
+      *m.received = true;
       channel.messages.erase(it);
     }
-    KR_CHECK(data.size() == bytes_,
-             "rank " + std::to_string(dst_) + " posted a receive of " + std::to_string(bytes_) +
-                 " bytes from rank " + std::to_string(src_) + " (tag " + std::to_string(tag_) +
-                 ") but the matching send has " + std::to_string(data.size()) + " bytes");
-    if (bytes_ > 0) std::memcpy(buf_, data.data(), bytes_);
+    state_->arrived[src_].notify_all();
     done_ = true;
   }
 
@@ -108,19 +148,20 @@ class InProcessWorld::Endpoint : public Transport {
 
   PendingPtr Isend(const void* buf, size_t bytes, int peer, int tag) override {
     state_->CheckTransfer(bytes, peer);
-    const char* begin = static_cast<const char*>(buf);
-    std::vector<char> data(begin, begin + bytes);  // copied before taking the lock
+    auto pending = std::make_unique<SendPending>(state_, bytes, rank_, peer, tag);
     {
       std::lock_guard<std::mutex> lock(state_->mu);
       State::Channel& channel = state_->channels[{rank_, peer, tag}];
-      channel.messages.emplace(channel.sends_posted++, std::move(data));
+      channel.messages.emplace(channel.sends_posted++,
+                               State::Message{static_cast<const char*>(buf), bytes,
+                                              pending->received()});
       InProcessStats& stats = state_->stats;
       ++stats.messages;
       stats.bytes += bytes;
       stats.max_message_bytes = std::max(stats.max_message_bytes, bytes);
     }
     state_->arrived[peer].notify_all();
-    return std::make_unique<CompletedPending>();
+    return pending;
   }
 
   PendingPtr Irecv(void* buf, size_t bytes, int peer, int tag) override {

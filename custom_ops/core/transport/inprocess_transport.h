@@ -42,6 +42,7 @@ class InProcessWorld {
   struct State;
   class Endpoint;
   class ReceivePending;
+  class SendPending;
   std::shared_ptr<State> state_;
 };
 
