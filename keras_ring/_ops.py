@@ -83,12 +83,28 @@ def _reduce_args(op, average, compression, prescale_factor, postscale_factor):
     )
 
 
+# The built-in compressors whose casts the engine does itself for float32 and
+# float64 tensors, as it copies them into and out of its buffers: no cast ops,
+# no extra copies. Other compressors (and other dtypes) run in the graph.
+_ENGINE_COMPRESSION = {_compression.FP16Compressor: 1, _compression.BF16Compressor: 2}
+_ENGINE_COMPRESSIBLE = (tf.float32, tf.float64)
+_IN_ENGINE = object()  # marks a tensor the engine converts
+
+
 def _reduction(kernel, tensors, compressor, grouped, **attrs):
     """Runs a reduction kernel on the compressed tensors and decompresses its outputs."""
-    compressed = [compressor.compress(t) for t in tensors]
+    code = _ENGINE_COMPRESSION.get(compressor, 0)
+    attrs["compression"] = code
+    compressed = [
+        (t, _IN_ENGINE) if code and t.dtype in _ENGINE_COMPRESSIBLE else compressor.compress(t)
+        for t in tensors
+    ]
     inputs = [t for t, _ in compressed]
     outputs = kernel(inputs, **attrs) if grouped else [kernel(inputs[0], **attrs)]
-    return [compressor.decompress(out, ctx) for out, (_, ctx) in zip(outputs, compressed)]
+    return [
+        out if ctx is _IN_ENGINE else compressor.decompress(out, ctx)
+        for out, (_, ctx) in zip(outputs, compressed)
+    ]
 
 
 def _set_of_op(op):
@@ -784,11 +800,15 @@ def _gradient_reduction(op, api):
             f"op={_REDUCE_OP_NAMES.get(reduce_op, reduce_op)}; only Sum and "
             "Average are differentiable."
         )
+    # The gradient travels compressed as the forward values did.
+    code = op.get_attr("compression")
+    compression = next((c for c, k in _ENGINE_COMPRESSION.items() if k == code), None)
     return {
         "op": reduce_op,
         "prescale_factor": op.get_attr("prescale_factor"),
         "postscale_factor": op.get_attr("postscale_factor"),
         "process_set": _set_of_op(op),
+        "compression": compression,
     }
 
 

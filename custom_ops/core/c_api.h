@@ -61,6 +61,12 @@ typedef enum {
 
 #define KR_DEVICE_CPU (-1)
 
+typedef enum kr_compression {
+  KR_COMPRESSION_NONE = 0,
+  KR_COMPRESSION_FP16 = 1,
+  KR_COMPRESSION_BF16 = 2,
+} kr_compression;
+
 typedef struct kr_request {
   const char* name;          /* matched across ranks; copied by kr_enqueue */
   kr_collective collective;
@@ -76,6 +82,11 @@ typedef struct kr_request {
   kr_reduce_op reduce_op;    /* allreduce and reducescatter */
   double prescale_factor;    /* allreduce and reducescatter: input scaled before reducing */
   double postscale_factor;   /* allreduce and reducescatter: result scaled after */
+  /* Allreduce and reducescatter of float32 or float64 tensors: the data is
+   * converted to float16 or bfloat16 as it is copied into the engine's
+   * buffers, reduced in that type (in float32 arithmetic, rounded once per
+   * step) and converted back as it is copied out. Ignored for other dtypes. */
+  kr_compression compression;
   int root_rank;             /* broadcast only */
   /* Alltoall only: splits[j] rows (first-dimension slices) go to rank j, in
    * rank order; nsplits is the world size, or 0 for an even split. Copied by

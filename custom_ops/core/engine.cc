@@ -340,6 +340,7 @@ kr_status Engine::Enqueue(const kr_request& r) {
   req.meta.name = name;
   req.meta.collective = static_cast<Collective>(r.collective);
   req.meta.dtype = static_cast<DataType>(r.dtype);
+  req.meta.wire_dtype = req.meta.dtype;
   req.meta.shape.assign(r.shape, r.shape + r.ndim);
   for (int64_t d : req.meta.shape) {
     if (d < 0) return bad("negative dimension in shape");
@@ -352,6 +353,15 @@ kr_status Engine::Enqueue(const kr_request& r) {
     req.meta.op = static_cast<ReduceOp>(r.reduce_op);
     req.meta.prescale_factor = r.prescale_factor;
     req.meta.postscale_factor = r.postscale_factor;
+    if (r.compression < KR_COMPRESSION_NONE || r.compression > KR_COMPRESSION_BF16) {
+      return bad("unknown compression " + std::to_string(r.compression));
+    }
+    const bool compressible =
+        req.meta.dtype == DataType::kFloat32 || req.meta.dtype == DataType::kFloat64;
+    if (compressible && r.compression != KR_COMPRESSION_NONE) {
+      req.meta.wire_dtype =
+          r.compression == KR_COMPRESSION_FP16 ? DataType::kFloat16 : DataType::kBFloat16;
+    }
   }
   if (c == Collective::kBroadcast) req.meta.root_rank = r.root_rank;
   if (allocates) {
@@ -941,6 +951,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
       o.spans.push_back({req.input, req.output, ElementCount(req.meta.shape)});
     }
     o.dtype = m.dtype;
+    if (m.wire_dtype != m.dtype) o.wire_dtype = m.wire_dtype;
     o.op = m.op;
     o.prescale_factor = m.prescale_factor;
     o.postscale_factor = m.postscale_factor;
@@ -955,7 +966,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
         AllreduceOptions cross;
         cross.buffer = block;
         cross.count = count;
-        cross.dtype = o.dtype;
+        cross.dtype = m.wire_dtype;
         cross.op = o.op;
         cross.small_bytes = small_allreduce_bytes_;
         Allreduce(*set.cross, cross);
@@ -966,31 +977,34 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
     if (set.cross) stats_.hierarchical_collectives += 1;
     return;
   }
-  const size_t esize = DataTypeSize(m.dtype);
   AllreduceOptions o;
-  o.dtype = m.dtype;
+  o.dtype = m.wire_dtype;
   o.op = m.op;
   o.prescale_factor = m.prescale_factor;
   o.postscale_factor = m.postscale_factor;
   o.small_bytes = small_allreduce_bytes_;
-  if (requests.size() == 1) {
+  if (requests.size() == 1 && m.wire_dtype == m.dtype) {
     const Request& req = requests[0];
     o.count = ElementCount(m.shape);
-    if (o.count && req.output != req.input) std::memcpy(req.output, req.input, o.count * esize);
+    if (o.count && req.output != req.input) {
+      std::memcpy(req.output, req.input, o.count * DataTypeSize(m.dtype));
+    }
     o.buffer = req.output;
     Allreduce(*set.transport, o);
     return;
   }
-  // Fused: pack every input into one buffer, reduce once, unpack. Packing is
-  // a copy either way: unfused, each input is copied to its output first.
+  // Fused or compressed: pack every input into one buffer (converting to
+  // the wire dtype), reduce once, unpack. Packing is a copy either way:
+  // unfused, each input is copied to its output first.
+  const size_t esize = DataTypeSize(m.wire_dtype);
   const auto packing = timeline_.Now();
   for (const Request& req : requests) o.count += ElementCount(req.meta.shape);
   if (fusion_buffer_.size() < o.count * esize) fusion_buffer_.resize(o.count * esize);
   char* packed = fusion_buffer_.data();
   for (const Request& req : requests) {
-    const size_t bytes = ElementCount(req.meta.shape) * esize;
-    if (bytes) std::memcpy(packed, req.input, bytes);
-    packed += bytes;
+    const size_t count = ElementCount(req.meta.shape);
+    CopyElements(packed, m.wire_dtype, req.input, m.dtype, count);
+    packed += count * esize;
   }
   o.buffer = fusion_buffer_.data();
   const auto packed_at = timeline_.Now();
@@ -998,9 +1012,9 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   const auto reduced = timeline_.Now();
   packed = fusion_buffer_.data();
   for (const Request& req : requests) {
-    const size_t bytes = ElementCount(req.meta.shape) * esize;
-    if (bytes) std::memcpy(req.output, packed, bytes);
-    packed += bytes;
+    const size_t count = ElementCount(req.meta.shape);
+    CopyElements(req.output, m.dtype, packed, m.wire_dtype, count);
+    packed += count * esize;
   }
   TracePhases(requests, {{"PACK", packing, packed_at},
                         {"COMMUNICATE", packed_at, reduced},
@@ -1055,7 +1069,7 @@ bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
   const TensorMeta& m = req.meta;
   const int p = set.size();
   const size_t row_elements = ElementCount(m.shape, 1);
-  const size_t esize = DataTypeSize(m.dtype);
+  const size_t esize = DataTypeSize(m.wire_dtype);
   const int r = set.rank;
   auto rows = [&](int rank) { return m.shape[0] / p + (rank < m.shape[0] % p); };
   ReduceScatterOptions o;
@@ -1063,9 +1077,9 @@ bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
   // The algorithm works in place over the whole input: use the fusion buffer.
   const size_t total = ElementCount(m.shape);
   if (fusion_buffer_.size() < total * esize) fusion_buffer_.resize(total * esize);
-  if (total) std::memcpy(fusion_buffer_.data(), req.input, total * esize);
+  CopyElements(fusion_buffer_.data(), m.wire_dtype, req.input, m.dtype, total);
   o.buffer = fusion_buffer_.data();
-  o.dtype = m.dtype;
+  o.dtype = m.wire_dtype;
   o.op = m.op;
   o.prescale_factor = m.prescale_factor;
   o.postscale_factor = m.postscale_factor;
@@ -1076,7 +1090,7 @@ bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
   bool failed;
   void* out = AllocateOutput(req, out_shape, &scratch, &failed);
   const size_t before = std::accumulate(o.counts.begin(), o.counts.begin() + r, size_t{0});
-  if (o.counts[r]) std::memcpy(out, fusion_buffer_.data() + before * esize, o.counts[r] * esize);
+  CopyElements(out, m.dtype, fusion_buffer_.data() + before * esize, m.wire_dtype, o.counts[r]);
   return !failed;
 }
 

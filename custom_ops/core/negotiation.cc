@@ -78,6 +78,7 @@ std::string TensorMeta::Describe() const {
     s << " op=" << ReduceOpName(op);
     if (prescale_factor != 1.0) s << " prescale=" << prescale_factor;
     if (postscale_factor != 1.0) s << " postscale=" << postscale_factor;
+    if (wire_dtype != dtype) s << " sent as " << DataTypeName(wire_dtype);
   }
   if (collective == Collective::kBroadcast) s << " root=" << root_rank;
   if (collective == Collective::kAlltoall && !splits.empty()) s << " splits=" << DimsToString(splits);
@@ -89,7 +90,8 @@ std::string TensorMeta::Describe() const {
 bool TensorMeta::operator==(const TensorMeta& o) const {
   return name == o.name && collective == o.collective && dtype == o.dtype && op == o.op &&
          prescale_factor == o.prescale_factor && postscale_factor == o.postscale_factor &&
-         root_rank == o.root_rank && shape == o.shape && splits == o.splits && error == o.error;
+         wire_dtype == o.wire_dtype && root_rank == o.root_rank && shape == o.shape &&
+         splits == o.splits && error == o.error;
 }
 
 namespace {
@@ -101,6 +103,7 @@ void PutMeta(Writer& w, const TensorMeta& m) {
   w.Put<int32_t>(static_cast<int32_t>(m.op));
   w.Put(m.prescale_factor);
   w.Put(m.postscale_factor);
+  w.Put<int32_t>(static_cast<int32_t>(m.wire_dtype));
   w.Put<int32_t>(m.root_rank);
   w.PutDims(m.shape);
   w.PutDims(m.splits);
@@ -115,6 +118,7 @@ TensorMeta GetMeta(Reader& r) {
   m.op = static_cast<ReduceOp>(r.Get<int32_t>());
   m.prescale_factor = r.Get<double>();
   m.postscale_factor = r.Get<double>();
+  m.wire_dtype = static_cast<DataType>(r.Get<int32_t>());
   m.root_rank = r.Get<int32_t>();
   m.shape = r.GetDims();
   m.splits = r.GetDims();
@@ -348,7 +352,7 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
       case Collective::kReducescatter:
         agree = m.shape == first.shape && m.op == first.op &&
                 m.prescale_factor == first.prescale_factor &&
-                m.postscale_factor == first.postscale_factor;
+                m.postscale_factor == first.postscale_factor && m.wire_dtype == first.wire_dtype;
         break;
       case Collective::kBroadcast:
         agree = m.shape == first.shape && m.root_rank == first.root_rank;
@@ -415,8 +419,9 @@ bool Fusable(const Response& r) {
 bool SameReduction(const Response& a, const Response& b) {
   const TensorMeta& x = a.metas[0];
   const TensorMeta& y = b.metas[0];
-  return a.process_set == b.process_set && x.dtype == y.dtype && x.op == y.op &&
-         x.prescale_factor == y.prescale_factor && x.postscale_factor == y.postscale_factor;
+  return a.process_set == b.process_set && x.dtype == y.dtype && x.wire_dtype == y.wire_dtype &&
+         x.op == y.op && x.prescale_factor == y.prescale_factor &&
+         x.postscale_factor == y.postscale_factor;
 }
 
 }  // namespace

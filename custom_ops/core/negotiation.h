@@ -38,6 +38,10 @@ struct TensorMeta {
   ReduceOp op = ReduceOp::kSum;
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;
+  // Allreduce and reducescatter: the dtype the data travels and is reduced
+  // in (float16 or bfloat16 for a float32 or float64 tensor: compression),
+  // else the tensor's own.
+  DataType wire_dtype = DataType::kFloat32;
   int root_rank = 0;
   std::vector<int64_t> shape;
   std::vector<int64_t> splits;  // alltoall: rows for each rank; empty = even split

@@ -191,4 +191,13 @@ float HalfToFloat(uint16_t h) { return HalfBitsToFloat(h); }
 uint16_t FloatToBFloat16(float f) { return FloatToBFloat16Bits(f); }
 float BFloat16ToFloat(uint16_t b) { return BFloat16BitsToFloat(b); }
 
+void CopyElements(void* dst, DataType dst_dtype, const void* src, DataType src_dtype,
+                  size_t count) {
+  if (dst_dtype != src_dtype) {
+    ConvertBuffer(dst, dst_dtype, src, src_dtype, count);
+  } else if (count > 0) {
+    std::memcpy(dst, src, count * DataTypeSize(dst_dtype));
+  }
+}
+
 }  // namespace keras_ring

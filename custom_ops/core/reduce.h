@@ -55,6 +55,11 @@ void ScaleBuffer(void* buf, size_t count, DataType dtype, double factor,
 void ConvertBuffer(void* dst, DataType dst_dtype, const void* src, DataType src_dtype,
                    size_t count, KernelLevel level = KernelLevelInUse());
 
+// dst <- count elements of src: a copy if the dtypes are equal, else
+// ConvertBuffer (compression on the way into and out of the engine).
+void CopyElements(void* dst, DataType dst_dtype, const void* src, DataType src_dtype,
+                  size_t count);
+
 // IEEE binary16 and bfloat16 conversions, round to nearest even; NaN stays NaN.
 uint16_t FloatToHalf(float f);
 float HalfToFloat(uint16_t h);

@@ -237,7 +237,9 @@ void ShmGroup::Arrive(uint64_t step) {
 // arrived at the end of the next round's step 1, i.e. has finished copying
 // out of this one.
 void ShmGroup::Allreduce(const ShmAllreduceOptions& o) {
-  const size_t esize = DataTypeSize(o.dtype);
+  const DataType wire = o.wire_dtype.value_or(o.dtype);
+  const size_t esize = DataTypeSize(wire);
+  const size_t span_esize = DataTypeSize(o.dtype);
   std::vector<size_t> starts;
   size_t total = 0;
   for (const ShmSpan& s : o.spans) {
@@ -258,11 +260,11 @@ void ShmGroup::Allreduce(const ShmAllreduceOptions& o) {
     const uint64_t round = step_ / 2;
     const size_t n = std::min(per_round, total - begin);
     char* mine = Slot(rank_, round);
-    ForEachPiece(o.spans, starts, begin, n, false, esize,
+    ForEachPiece(o.spans, starts, begin, n, false, span_esize,
                  [&](char* in, size_t count, size_t at) {
-                   std::memcpy(mine + at * esize, in, count * esize);
+                   CopyElements(mine + at * esize, wire, in, o.dtype, count);
                  });
-    ScaleBuffer(mine, n, o.dtype, o.prescale_factor);
+    ScaleBuffer(mine, n, wire, o.prescale_factor);
     Arrive(step_ + 1);
 
     const size_t block = (n / p + (n % p != 0) + align - 1) / align * align;
@@ -274,20 +276,20 @@ void ShmGroup::Allreduce(const ShmAllreduceOptions& o) {
     block_range(rank_, &first, &count);
     for (int q = 0; q < p && count; ++q) {
       if (q != rank_) {
-        ReduceInto(mine + first * esize, Slot(q, round) + first * esize, count, o.dtype, op);
+        ReduceInto(mine + first * esize, Slot(q, round) + first * esize, count, wire, op);
       }
     }
     if (o.combine) o.combine(mine + first * esize, count);
-    ScaleBuffer(mine + first * esize, count, o.dtype, postscale);
+    ScaleBuffer(mine + first * esize, count, wire, postscale);
     Arrive(step_ + 2);
     step_ += 2;
 
     for (int c = 0; c < p; ++c) {
       block_range(c, &first, &count);
       const char* done = Slot(c, round) + first * esize;
-      ForEachPiece(o.spans, starts, begin + first, count, true, esize,
+      ForEachPiece(o.spans, starts, begin + first, count, true, span_esize,
                    [&](char* out, size_t elements, size_t at) {
-                     std::memcpy(out, done + at * esize, elements * esize);
+                     CopyElements(out, o.dtype, done + at * esize, wire, elements);
                    });
     }
   }

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,7 +44,11 @@ struct ShmSpan {
 
 struct ShmAllreduceOptions {
   std::vector<ShmSpan> spans;
-  DataType dtype = DataType::kFloat32;
+  DataType dtype = DataType::kFloat32;  // of the spans' data
+  // If set, the data is converted to this dtype on the way into the shared
+  // buffers, reduced in it and converted back on the way out (compression:
+  // float32 spans reduced as float16, say).
+  std::optional<DataType> wire_dtype;
   ReduceOp op = ReduceOp::kSum;  // kAverage = kSum with postscale / size
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;

@@ -125,7 +125,8 @@ class Handle {
 
 std::unique_ptr<Handle> Submit(int collective, py::array array, const std::string& name, int op,
                                double prescale, double postscale, int root_rank,
-                               std::vector<int64_t> splits, int32_t process_set) {
+                               std::vector<int64_t> splits, int32_t process_set,
+                               int compression) {
   py::array input = py::array::ensure(array, py::array::c_style);
   if (!input) throw py::type_error("keras-ring: expected an array-like input");
   kr_dtype dtype = ToKrDtype(input.dtype());
@@ -155,6 +156,7 @@ std::unique_ptr<Handle> Submit(int collective, py::array array, const std::strin
   r.reduce_op = static_cast<kr_reduce_op>(op);
   r.prescale_factor = prescale;
   r.postscale_factor = postscale;
+  r.compression = static_cast<kr_compression>(compression);
   r.root_rank = root_rank;
   r.splits = splits.data();
   r.nsplits = static_cast<int>(splits.size());
@@ -318,5 +320,8 @@ PYBIND11_MODULE(_engine, m) {
         py::arg("op") = static_cast<int>(KR_SUM), py::arg("prescale_factor") = 1.0,
         py::arg("postscale_factor") = 1.0, py::arg("root_rank") = 0,
         py::arg("splits") = std::vector<int64_t>(), py::arg("process_set") = 0,
+        py::arg("compression") = static_cast<int>(KR_COMPRESSION_NONE),
         "Starts a collective on a NumPy array and returns a Handle.");
+  m.attr("COMPRESSION_FP16") = static_cast<int>(KR_COMPRESSION_FP16);
+  m.attr("COMPRESSION_BF16") = static_cast<int>(KR_COMPRESSION_BF16);
 }

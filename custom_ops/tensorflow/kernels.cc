@@ -258,6 +258,7 @@ class ReductionKernel : public CollectiveKernel {
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
     OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_factor_));
     OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_factor_));
+    OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
   }
 
  protected:
@@ -265,12 +266,14 @@ class ReductionKernel : public CollectiveKernel {
     r->reduce_op = static_cast<kr_reduce_op>(reduce_op_);
     r->prescale_factor = prescale_factor_;
     r->postscale_factor = postscale_factor_;
+    r->compression = static_cast<kr_compression>(compression_);
   }
 
  private:
   int reduce_op_ = KR_AVERAGE;
   float prescale_factor_ = 1.0f;
   float postscale_factor_ = 1.0f;
+  int compression_ = KR_COMPRESSION_NONE;
 };
 
 // KerasRingAllreduce, and KerasRingGroupedAllreduce whose tensor i is named

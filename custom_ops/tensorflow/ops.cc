@@ -51,6 +51,7 @@ REGISTER_OP("KerasRingAllreduce")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
+    .Attr("compression: int = 0")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
@@ -68,6 +69,8 @@ output: The reduction over all ranks, with the shape and dtype of `tensor`.
 reduce_op: 0 = Average, 1 = Sum, 3 = Min, 4 = Max, 5 = Product.
 prescale_factor: Multiplies each rank's input before the reduction.
 postscale_factor: Multiplies the result after the reduction.
+compression: 0 = none; 1 = float16, 2 = bfloat16 on the wire for float and
+  double tensors (converted as the engine copies them in and out).
 tensor_name: The name that matches this request across ranks; empty means the
   node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
@@ -79,6 +82,7 @@ REGISTER_OP("KerasRingGroupedAllreduce")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
+    .Attr("compression: int = 0")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensors: T")
@@ -96,6 +100,8 @@ outputs: The reductions over all ranks, with the shapes and dtypes of `tensors`.
 reduce_op: 0 = Average, 1 = Sum, 3 = Min, 4 = Max, 5 = Product.
 prescale_factor: Multiplies each rank's inputs before the reduction.
 postscale_factor: Multiplies the results after the reduction.
+compression: 0 = none; 1 = float16, 2 = bfloat16 on the wire for float and
+  double tensors (converted as the engine copies them in and out).
 tensor_name: The name `<name>` above; empty means the node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
@@ -151,6 +157,7 @@ REGISTER_OP("KerasRingReducescatter")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
+    .Attr("compression: int = 0")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
@@ -169,6 +176,8 @@ output: This rank's rows of the reduction over all ranks.
 reduce_op: 0 = Average, 1 = Sum, 3 = Min, 4 = Max, 5 = Product.
 prescale_factor: Multiplies each rank's input before the reduction.
 postscale_factor: Multiplies the result after the reduction.
+compression: 0 = none; 1 = float16, 2 = bfloat16 on the wire for float and
+  double tensors (converted as the engine copies them in and out).
 tensor_name: The name that matches this request across ranks; empty means the
   node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
@@ -180,6 +189,7 @@ REGISTER_OP("KerasRingGroupedReducescatter")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
+    .Attr("compression: int = 0")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensors: T")
@@ -198,6 +208,8 @@ outputs: This rank's rows of each reduction over all ranks.
 reduce_op: 0 = Average, 1 = Sum, 3 = Min, 4 = Max, 5 = Product.
 prescale_factor: Multiplies each rank's inputs before the reduction.
 postscale_factor: Multiplies the results after the reduction.
+compression: 0 = none; 1 = float16, 2 = bfloat16 on the wire for float and
+  double tensors (converted as the engine copies them in and out).
 tensor_name: The name `<name>` above; empty means the node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.

@@ -17,6 +17,7 @@ TensorMeta Allreduce(const std::string& name, std::vector<int64_t> shape,
   m.name = name;
   m.collective = Collective::kAllreduce;
   m.dtype = dtype;
+  m.wire_dtype = dtype;
   m.op = op;
   m.shape = std::move(shape);
   return m;
@@ -65,6 +66,21 @@ KR_TEST(DisagreementNamesTheTensorAndEveryRanksView) {
   out = Agree(2, {{Allreduce("o", {4})}, {Allreduce("o", {4}, DataType::kFloat32,
                                                     ReduceOp::kMax)}});
   KR_EXPECT(out[0].error.find("op=max") != std::string::npos);
+  // Compression is part of the request: one rank compressing alone is an error.
+  TensorMeta compressed = Allreduce("c", {4});
+  compressed.wire_dtype = DataType::kFloat16;
+  out = Agree(2, {{Allreduce("c", {4})}, {compressed}});
+  KR_EXPECT(out[0].error.find("rank 1 sent allreduce of float32[4] op=sum sent as float16") !=
+            std::string::npos);
+}
+
+KR_TEST(FusionKeepsCompressedAndUncompressedApart) {
+  TensorMeta compressed = Allreduce("b", {10});
+  compressed.wire_dtype = DataType::kBFloat16;
+  auto fused = Fuse(Agree(1, {{Allreduce("a", {10}), compressed, Allreduce("c", {10})}}), 1000);
+  KR_EXPECT_EQ(fused.size(), 2u);
+  KR_EXPECT(fused[0].names == std::vector<std::string>({"a", "c"}));
+  KR_EXPECT(fused[1].names == std::vector<std::string>({"b"}));
 }
 
 KR_TEST(AllgatherMayDifferInTheFirstDimensionOnly) {
@@ -139,6 +155,7 @@ KR_TEST(WireFormatRoundTrips) {
   std::vector<TensorMeta> metas = {Allreduce("x", {2, 3}, DataType::kBFloat16, ReduceOp::kProduct),
                                    Allreduce("", {}), Allreduce("a2a", {4, 2})};
   metas[0].prescale_factor = 0.5;
+  metas[1].wire_dtype = DataType::kFloat16;
   metas[2].collective = Collective::kAlltoall;
   metas[2].splits = {3, 0, 1};
   metas[1].collective = Collective::kBroadcast;
@@ -160,6 +177,7 @@ KR_TEST(WireFormatRoundTrips) {
     if (item.cache_id < 0) back.push_back(item.meta);
   }
   KR_EXPECT_EQ(back.size(), 3u);
+  KR_EXPECT(back[1] == metas[1]);  // wire_dtype included
   KR_EXPECT(back[2] == metas[2]);
   KR_EXPECT_EQ(back[0].Describe(), metas[0].Describe());
   KR_EXPECT_EQ(back[1].Describe(), metas[1].Describe());

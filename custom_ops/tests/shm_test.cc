@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -272,6 +273,49 @@ KR_TEST_CASES(RegisterHierarchicalTests) {
   Register("shm_hierarchical/int64/sum", [] {
     CheckHierarchical<Int64>(2, 2, ReduceOp::kSum, 70001, 1024);
   });
+}
+
+// Compression: float32 data reduced as float16 or bfloat16 in the shared
+// buffers. The result is what the narrow type's reduction of the rounded
+// inputs gives, converted back exactly.
+template <typename Narrow>
+void CheckCompressedShmAllreduce(int p, ReduceOp op, size_t count) {
+  std::vector<std::vector<float>> inputs(p), outputs(p, std::vector<float>(count));
+  std::vector<std::vector<uint16_t>> narrow(p);
+  for (int r = 0; r < p; ++r) {
+    inputs[r] = RankInput<Float32>(count, r, p, op);
+    for (float x : inputs[r]) narrow[r].push_back(Narrow::FromDouble(x));
+  }
+  const Expected<Narrow> want = ReferenceAllreduce<Narrow>(narrow, count, op, 1.0, 1.0);
+  RunShmRanks(p, 4096, [&](ShmGroup& g) {
+    ShmAllreduceOptions o;
+    o.spans = Spans(inputs[g.rank()], outputs[g.rank()], g.rank());
+    o.dtype = keras_ring::DataType::kFloat32;
+    o.wire_dtype = Narrow::kType;
+    o.op = op;
+    g.Allreduce(o);
+  });
+  for (int r = 0; r < p; ++r) {
+    for (size_t i = 0; i < count; ++i) {
+      const uint16_t got = Narrow::FromDouble(outputs[r][i]);
+      const bool exact = std::isnan(outputs[r][i]) || Narrow::ToDouble(got) == outputs[r][i];
+      if (!exact || !Matches<Narrow>(got, want.values[i], want.tolerance[i])) {
+        KR_FAIL("p=" + std::to_string(p) + " rank " + std::to_string(r) + " index " +
+                std::to_string(i) + ": got " + ToString(outputs[r][i]) + ", want " +
+                ValueString<Narrow>(want.values[i]));
+        return;
+      }
+    }
+  }
+}
+
+KR_TEST(ShmAllreduceCompressesFloat32ToHalfTypes) {
+  for (int p : {1, 2, 3}) {
+    for (ReduceOp op : kAllOps) {
+      CheckCompressedShmAllreduce<Float16>(p, op, 5001);
+      CheckCompressedShmAllreduce<BFloat16>(p, op, 5001);
+    }
+  }
 }
 
 KR_TEST(ShmGroupsRunManyCollectivesInARow) {

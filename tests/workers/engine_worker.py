@@ -240,6 +240,46 @@ def test_fusion(rank, size):
         fail(f"engine counted {stats['tensors']} tensors after {len(cases)} requests")
 
 
+def test_compression(rank, size):
+    """float32/float64 reduced as float16 or bfloat16 inside the engine, alone and fused."""
+    narrow = {_engine.COMPRESSION_FP16: np.float16}
+    if bfloat16 is not None:
+        narrow[_engine.COMPRESSION_BF16] = bfloat16
+
+    def fractions(r, n):  # values that the wire types round
+        return np.random.default_rng([9, r, n]).uniform(-2, 2, n)
+
+    for code, wire in narrow.items():
+        for dtype in (np.float32, np.float64):
+            # Several tensors in flight at once, as fusion sees them.
+            xs = [fractions(rank, n).astype(dtype) for n in (0, 1, 7, 1001, 70001)]
+            handles = [submit(_engine.ALLREDUCE, x, f"cmp.{code}.{dtype.__name__}.{i}",
+                              op=OPS["Average"], compression=code) for i, x in enumerate(xs)]
+            for i, (x, handle) in enumerate(zip(xs, handles)):
+                got = handle.wait()
+                name = f"cmp.{code}.{dtype.__name__}.{i}"
+                if got.dtype != dtype or got.shape != x.shape:
+                    fail(f"{name}: got {got.dtype}{got.shape}")
+                # Converted back from the wire type: exactly representable in it.
+                if not np.array_equal(got.astype(wire).astype(dtype), got):
+                    fail(f"{name}: the result is not a {np.dtype(wire).name} value")
+                want = np.mean([fractions(r, len(x)) for r in range(size)], axis=0)
+                tol = 2e-3 if wire is np.float16 else 2e-2
+                if not np.allclose(got, want, rtol=tol, atol=tol):
+                    fail(f"{name}: {np.max(np.abs(got - want))} from the exact mean")
+    # Integers are never compressed; reducescatter compresses too.
+    ints = np.arange(10, dtype=np.int32) * (rank + 1)
+    got = submit(_engine.ALLREDUCE, ints, "cmp.int", op=OPS["Sum"],
+                 compression=_engine.COMPRESSION_FP16).wait()
+    check("cmp.int", got, np.arange(10) * size * (size + 1) // 2, exact=True)
+    x = np.full((2 * size, 3), 0.1 * (rank + 1), np.float32)
+    got = submit(_engine.REDUCESCATTER, x, "cmp.rs", op=OPS["Sum"],
+                 compression=_engine.COMPRESSION_FP16).wait()
+    want = np.float16(0.1 * size * (size + 1) / 2)
+    if got.shape != (2, 3) or not np.allclose(got, want, rtol=2e-3):
+        fail(f"cmp.rs: got {got}, want {want}")
+
+
 def test_transport(rank, size):
     """The allreduces so far took the path the job's settings call for (KR_TEST_PATH)."""
     local = os.environ.get("KR_TEST_LOCAL_SIZE")
@@ -429,7 +469,8 @@ def main():
     if size != expected:
         fail(f"size {size}, expected {expected}")
     for test in (test_allreduce, test_allgather, test_reducescatter, test_alltoall,
-                 test_broadcast, test_out_of_order, test_fusion, test_transport, test_objects,
+                 test_broadcast, test_out_of_order, test_fusion, test_compression, test_transport,
+                 test_objects,
                  test_mismatch,
                  test_duplicate_name, test_cache, test_join, test_restart):
         test(rank, size)
