@@ -1,18 +1,24 @@
 """Gradient reduction across ranks, shared by DistributedOptimizer and DistributedGradientTape.
 
-Gradients are reduced in groups, one grouped collective per group, in the
-order of the variables, which is the same on every rank. Each group is
-named after its key (a dtype, or a group number) inside a name scope: in a
+Gradients are reduced in groups, one grouped collective per group, in an
+order that is the same on every rank. By default the groups are buckets of
+about KERAS_RING_BUCKET_BYTES, filled from the last variable backwards, the
+order in which backpropagation produces gradients: in a `tf.function` (as
+in `model.fit`) a bucket's collective starts as soon as its gradients exist,
+while the earlier layers' gradients are still being computed. Each group is
+named after its key (a bucket or group number) inside a name scope: in a
 `tf.function` the scope is made unique per use, so two optimizers or tapes
 in one step never share a collective's name, and every rank that traced the
 same function derives the same names.
 """
 
 import numbers
+import os
 
 import tensorflow as tf
 
 from keras_ring import _ops
+from keras_ring._process_sets import ProcessSet, global_process_set
 from keras_ring._compression import Compression
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
 from keras_ring._reduce_ops import Average, Sum
@@ -52,6 +58,26 @@ def _check_not_xla(api):
         )
 
 
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+
+def bucket_bytes():
+    """Returns KERAS_RING_BUCKET_BYTES (default 4 MiB; 0: one collective per dtype).
+
+    Raises:
+        ValueError: If the variable is not a non-negative integer.
+    """
+    text = os.environ.get("KERAS_RING_BUCKET_BYTES", "")
+    if not text:
+        return DEFAULT_BUCKET_BYTES
+    if not text.isdigit():
+        raise ValueError(
+            f"KERAS_RING_BUCKET_BYTES must be a number of bytes (0: one collective per dtype). "
+            f"Received: {text!r}"
+        )
+    return int(text)
+
+
 def _is_count(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -72,13 +98,16 @@ class GradientReducer:
         gradient_predivide_factor: With `Average`, each rank multiplies its
             gradients by `1 / gradient_predivide_factor` before the sum and
             the sum is multiplied by `gradient_predivide_factor / size`.
-        groups: `None` (one collective per dtype), a positive integer (that
-            many collectives over consecutive gradients), or a list of lists
-            of variables: the gradients of each list share a collective,
-            and every other gradient has its own.
+        groups: `None` (buckets of about KERAS_RING_BUCKET_BYTES from the
+            last gradient backwards, or one collective per dtype if that is
+            0), a positive integer (that many collectives over consecutive
+            gradients), or a list of lists of variables: the gradients of
+            each list share a collective, and every other gradient has its
+            own.
         num_groups: Same as an integer `groups`; 0 means unset.
-        process_set: Must be `None` (all ranks): gradient reduction does not
-            take a process set yet; the collectives do.
+        process_set: The `keras_ring.ProcessSet` whose ranks average the
+            gradients (`None`: all ranks). Only its members may use the
+            reducer; Average divides by the set's size.
 
     Raises:
         ValueError: If an argument is invalid.
@@ -140,11 +169,11 @@ class GradientReducer:
                 f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, "
                 f"op={_REDUCE_OP_NAMES[op]}"
             )
-        if process_set is not None:
+        if process_set is not None and not isinstance(process_set, ProcessSet):
             raise ValueError(
-                f"keras_ring.{api} takes no process sets yet (they come later): pass "
-                "process_set=None to reduce over all ranks; the collectives take process_set=. "
-                f"Received: process_set={process_set!r}"
+                "`process_set` must be a keras_ring.ProcessSet (added with add_process_set or "
+                f"init(process_sets=...)) or None for all ranks. Received: "
+                f"process_set={process_set!r}"
             )
         self.name = name
         self._api = api
@@ -158,6 +187,7 @@ class GradientReducer:
         self._prescale = 1.0 / gradient_predivide_factor
         self._postscale = float(gradient_predivide_factor)
         self._num_groups, self._variable_groups = self._parse_groups(groups, num_groups)
+        self._process_set = process_set or global_process_set
 
     @staticmethod
     def _parse_groups(groups, num_groups):
@@ -209,35 +239,24 @@ class GradientReducer:
             grads = [
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
-        sent, contexts = [], []
-        for g in grads:
-            # Gathered rows are not summed, so compressing them saves nothing
-            # worth their precision (Horovod does not either).
-            if g is None or isinstance(g, tf.IndexedSlices):
-                sent.append(g)
-                contexts.append(None)
-            else:
-                tensor, ctx = self._compression.compress(g)
-                sent.append(tensor)
-                contexts.append(ctx)
         results = list(grads)
         with tf.name_scope(self.name):
-            for key, indices in self._partition(sent, variables):
+            for key, indices in self._partition(grads, variables):
+                # Gathered rows (IndexedSlices) are not summed, so the
+                # collective does not compress them (Horovod does not either).
                 reduced = _ops.grouped_allreduce(
-                    [sent[i] for i in indices],
+                    [grads[i] for i in indices],
                     device_dense=self._device_dense,
                     device_sparse=self._device_sparse,
+                    compression=self._compression,
                     op=self._op,
                     prescale_factor=self._prescale,
                     postscale_factor=self._postscale,
                     name=key,
+                    process_set=self._process_set,
                 )
                 for i, r in zip(indices, reduced):
-                    results[i] = (
-                        r
-                        if isinstance(r, tf.IndexedSlices)
-                        else self._compression.decompress(r, contexts[i])
-                    )
+                    results[i] = r
         return results
 
     def _partition(self, tensors, variables):
@@ -254,10 +273,23 @@ class GradientReducer:
                 for k in range(self._num_groups)
                 if bounds[k] < bounds[k + 1]
             ]
-        by_dtype = {}
-        for i in present:
-            by_dtype.setdefault(tensors[i].dtype.name, []).append(i)
-        return list(by_dtype.items())
+        limit = bucket_bytes()
+        if not limit:
+            by_dtype = {}
+            for i in present:
+                by_dtype.setdefault(tensors[i].dtype.name, []).append(i)
+            return list(by_dtype.items())
+        buckets, current, filled = [], [], 0
+        for i in reversed(present):
+            nbytes = _static_bytes(tensors[i])
+            if current and filled + nbytes > limit:
+                buckets.append(current)
+                current, filled = [], 0
+            current.append(i)
+            filled += nbytes
+        if current:
+            buckets.append(current)
+        return [(f"bucket{k}", sorted(b)) for k, b in enumerate(buckets)]
 
     def _partition_by_variables(self, present, variables):
         if variables is None:
@@ -275,3 +307,10 @@ class GradientReducer:
                 partition.append((f"group{k}", indices))
         partition.extend((f"grad{i}", [i]) for i in sorted(position.values()))
         return partition
+
+
+def _static_bytes(tensor):
+    """Bytes of a tensor's values as far as the graph knows (rows of IndexedSlices unknown: 0)."""
+    values = tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
+    elements = values.shape.num_elements()
+    return (elements or 0) * values.dtype.size

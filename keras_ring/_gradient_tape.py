@@ -27,12 +27,13 @@ class DistributedGradientTape:
         gradient_predivide_factor: With `op=Average`, gradients are divided
             by this factor before the sum and by `size / factor` after it.
         num_groups: Number of collectives over consecutive gradients; 0
-            (default) means one per dtype.
+            (default) means buckets of about `KERAS_RING_BUCKET_BYTES`.
         groups: Same as an integer `num_groups`, or a list of lists of
             sources whose gradients share a collective (other gradients
             get one each).
-        process_set: Must be `None` (all ranks): the tape does not take a
-            process set yet (the collectives do).
+        process_set: The `keras_ring.ProcessSet` whose ranks average the
+            gradients (default `None`: all ranks). Only its members may use
+            the tape.
 
     Raises:
         TypeError: If `gradtape` is not a `tf.GradientTape`.

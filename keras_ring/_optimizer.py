@@ -206,8 +206,9 @@ def DistributedOptimizer(
     Works with any `keras.optimizers.Optimizer`: built-in ones, your
     subclasses, and `keras.optimizers.LossScaleOptimizer`. Gradients are
     reduced in `apply()` (which `model.fit` and `apply_gradients` call),
-    before the optimizer clips, unscales, accumulates or applies them, with
-    one grouped collective per dtype per step. The optimizer is changed in
+    before the optimizer clips, unscales, accumulates or applies them, in
+    buckets of about `KERAS_RING_BUCKET_BYTES` (4 MiB) issued from the last
+    layer backwards, so that communication overlaps the backward pass. The optimizer is changed in
     place, keeps its state, and gains no config keys and no variables: a
     model compiled with it saves and loads like one compiled with the plain
     optimizer (see `keras_ring.load_model` to load it distributed again).
@@ -250,13 +251,15 @@ def DistributedOptimizer(
             `optimizer.iterations` then counts updates, not batches.
         average_aggregated_gradients: With `backward_passes_per_step > 1`,
             divide the local sum by `backward_passes_per_step`.
-        groups: `None` (one collective per dtype), a positive integer (that
+        groups: `None` (buckets of about `KERAS_RING_BUCKET_BYTES`, or one
+            collective per dtype if that is 0), a positive integer (that
             many collectives over consecutive gradients) or a list of lists
             of variables (the gradients of each list share a collective;
             other gradients get one each).
         num_groups: Same as an integer `groups` (Horovod's older name).
-        process_set: Must be `None` (all ranks): the optimizer does not take a
-            process set yet (the collectives do).
+        process_set: The `keras_ring.ProcessSet` whose ranks average the
+            gradients (default `None`: all ranks). Only its members may use
+            the optimizer.
 
     Returns:
         The distributed optimizer: `optimizer` itself, or the

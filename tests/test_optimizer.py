@@ -184,9 +184,14 @@ def test_tape_arguments_are_checked(kwargs, shown):
         kr.DistributedGradientTape(tf.GradientTape(), **kwargs)
 
 
-def test_process_sets_are_announced_for_later():
-    with pytest.raises(ValueError, match=r"no process sets yet \(they come later\)"):
-        kr.DistributedOptimizer(keras.optimizers.SGD(), process_set=object())
+def test_bucket_bytes_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("KERAS_RING_BUCKET_BYTES", "4MiB")
+    v = tf.Variable(1.0)
+    with tf.GradientTape() as plain:
+        loss = v * 2.0
+    tape = kr.DistributedGradientTape(plain)
+    with pytest.raises(ValueError, match="KERAS_RING_BUCKET_BYTES must be a number of bytes"):
+        tape.gradient(loss, [v])
 
 
 # Saving and loading

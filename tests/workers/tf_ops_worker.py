@@ -677,6 +677,20 @@ def check_process_sets():
         grad = gradient(mode, lambda t: kr.allgather(t, process_set=pair), x,
                         tf.constant(np.concatenate([ws[r] for r in members])))
         check(f"{mode} set allgather gradient", grad, 2 * ws[RANK], tf.float32)
+    if pair.included():
+        # Gradient reduction in the set: averaged over its two members only.
+        members = pair.ranks
+        v = tf.Variable(np.zeros((5, 2), np.float32))
+        with tf.GradientTape() as plain:
+            loss = tf.reduce_sum(v * x)
+        tape = kr.DistributedGradientTape(plain, process_set=pair)
+        (grad,) = tape.gradient(loss, [v])
+        check("tape in a set", grad, (xs[members[0]] + xs[members[1]]) / 2, tf.float32)
+        import keras
+
+        opt = kr.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=pair)
+        opt.apply([x], [v])
+        check("optimizer in a set", v, -(xs[members[0]] + xs[members[1]]) / 2, tf.float32)
     # Compression: fp16 on the wire, float32 back; values that fp16 holds exactly.
     y = tf.constant(np.full(4, RANK + 0.5, np.float32))
     for compression in (kr.Compression.fp16, kr.Compression.bf16):
