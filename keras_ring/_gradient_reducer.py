@@ -18,8 +18,8 @@ import os
 import tensorflow as tf
 
 from keras_ring import _ops
-from keras_ring._process_sets import ProcessSet, global_process_set
 from keras_ring._compression import Compression
+from keras_ring._process_sets import ProcessSet, global_process_set
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
 from keras_ring._reduce_ops import Average, Sum
 

@@ -75,26 +75,22 @@ def test_a_stalled_tensor_is_reported_then_fails_on_the_waiting_ranks(run_ranks,
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("worker", ["killed_rank_worker.py", "shm_crash_worker.py"])
 @pytest.mark.parametrize("np_", [2, 3])
-def test_a_killed_rank_ends_the_job_and_is_named(run_ranks, np_):
-    worker = os.path.join(os.path.dirname(__file__), "workers", "killed_rank_worker.py")
+def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, np_, worker):
+    # Killed while the others wait for it to agree, or in the middle of
+    # shared-memory allreduces.
+    worker = os.path.join(os.path.dirname(__file__), "workers", worker)
     result = run_ranks(np_, worker, timeout=120, check=False)
     assert result.returncode == 128 + 9, result.stdout
     assert "rank 1 died of signal 9 (Killed)" in result.stdout
-    assert "completed without rank 1" not in result.stdout
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("np_", [2, 3])
-def test_a_rank_killed_in_a_shared_memory_allreduce_leaves_no_segments(run_ranks, np_):
-    worker = os.path.join(os.path.dirname(__file__), "workers", "shm_crash_worker.py")
-    result = run_ranks(np_, worker, timeout=120, check=False)
-    assert result.returncode == 128 + 9, result.stdout
-    assert "rank 1 died of signal 9 (Killed)" in result.stdout
-    assert "still running" not in result.stdout
+    assert "without rank 1" not in result.stdout
     pids = re.findall(r"rank \d+ pid (\d+)", result.stdout)
     assert len(pids) == np_, result.stdout
     # Segments are named kr-<pid of the host's first rank>x...
-    left = [name for name in os.listdir("/dev/shm")
-            if any(name.startswith(f"kr-{pid}x") for pid in pids)]
+    left = [
+        name
+        for name in os.listdir("/dev/shm")
+        if any(name.startswith(f"kr-{pid}x") for pid in pids)
+    ]
     assert not left, left

@@ -96,12 +96,8 @@ void RingReduceScatter(Transport& t, const ReduceScatterOptions& o) {
   const size_t element_bytes = DataTypeSize(o.dtype);
   const size_t segment = SegmentBytes(o.segment_bytes, element_bytes);
 
-  ReduceOp op = o.op;
   double postscale = o.postscale_factor;
-  if (op == ReduceOp::kAverage) {
-    op = ReduceOp::kSum;
-    postscale *= 1.0 / p;
-  }
+  const ReduceOp op = SumForAverage(o.op, p, &postscale);
   if (offsets[p] == 0) return;
 
   char* buf = static_cast<char*>(o.buffer);
@@ -177,12 +173,8 @@ void RecursiveDoublingAllreduce(Transport& t, const AllreduceOptions& o) {
   const size_t element_bytes = DataTypeSize(o.dtype);
   const size_t bytes = o.count * element_bytes;
   const size_t segment = SegmentBytes(o.segment_bytes, element_bytes);
-  ReduceOp op = o.op;
   double postscale = o.postscale_factor;
-  if (op == ReduceOp::kAverage) {
-    op = ReduceOp::kSum;
-    postscale *= 1.0 / p;
-  }
+  const ReduceOp op = SumForAverage(o.op, p, &postscale);
   if (o.count == 0) return;
   char* buf = static_cast<char*>(o.buffer);
   ScaleBuffer(buf, o.count, o.dtype, o.prescale_factor);

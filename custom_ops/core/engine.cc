@@ -958,10 +958,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
     if (set.cross) {
       // Hierarchical: each local rank's reduced block is reduced across
       // hosts with the ranks of the same local rank, then shared locally.
-      if (o.op == ReduceOp::kAverage) {
-        o.op = ReduceOp::kSum;
-        o.postscale_factor /= set.size();
-      }
+      o.op = SumForAverage(o.op, set.size(), &o.postscale_factor);
       o.combine = [&](void* block, size_t count) {
         AllreduceOptions cross;
         cross.buffer = block;
@@ -1186,7 +1183,15 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
     return all != 0;
   };
   std::string why;
-  set.shm = ShmGroup::Create(local_rank, local_world, key, shm_slot_bytes_, all_agree, &why);
+  // Waiting in shared memory, the engine thread makes no MPI calls of its
+  // own: drive MPI's progress so that control messages it has sent (which
+  // MPI may move only while the sender calls it) reach their ranks.
+  auto progress = [this] {
+    int flag = 0;
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, control_comm_, &flag, MPI_STATUS_IGNORE);
+  };
+  set.shm = ShmGroup::Create(local_rank, local_world, key, shm_slot_bytes_, all_agree, &why,
+                             progress);
   if (!set.shm && !why.empty()) {
     std::fprintf(stderr,
                  "keras-ring: warning: rank %d cannot use shared memory (%s); process set %d "

@@ -191,6 +191,12 @@ float HalfToFloat(uint16_t h) { return HalfBitsToFloat(h); }
 uint16_t FloatToBFloat16(float f) { return FloatToBFloat16Bits(f); }
 float BFloat16ToFloat(uint16_t b) { return BFloat16BitsToFloat(b); }
 
+ReduceOp SumForAverage(ReduceOp op, int size, double* postscale) {
+  if (op != ReduceOp::kAverage) return op;
+  *postscale *= 1.0 / size;
+  return ReduceOp::kSum;
+}
+
 void CopyElements(void* dst, DataType dst_dtype, const void* src, DataType src_dtype,
                   size_t count) {
   if (dst_dtype != src_dtype) {

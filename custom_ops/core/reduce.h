@@ -55,6 +55,10 @@ void ScaleBuffer(void* buf, size_t count, DataType dtype, double factor,
 void ConvertBuffer(void* dst, DataType dst_dtype, const void* src, DataType src_dtype,
                    size_t count, KernelLevel level = KernelLevelInUse());
 
+// Average is Sum followed by a post-scale of 1/size: returns the op to
+// reduce with, and multiplies *postscale by 1/size for Average.
+ReduceOp SumForAverage(ReduceOp op, int size, double* postscale);
+
 // dst <- count elements of src: a copy if the dtypes are equal, else
 // ConvertBuffer (compression on the way into and out of the engine).
 void CopyElements(void* dst, DataType dst_dtype, const void* src, DataType src_dtype,

@@ -98,8 +98,9 @@ void ForEachPiece(const std::vector<ShmSpan>& spans, const std::vector<size_t>& 
 std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& world_ranks,
                                            const std::string& key, size_t slot_bytes,
                                            const std::function<bool(bool)>& all_agree,
-                                           std::string* why) {
+                                           std::string* why, std::function<void()> progress) {
   std::unique_ptr<ShmGroup> g(new ShmGroup);
+  g->progress_ = std::move(progress);
   g->rank_ = rank;
   g->world_ranks_ = world_ranks;
   g->slot_bytes_ = std::max(kAlign, slot_bytes / kAlign * kAlign);
@@ -193,6 +194,7 @@ void ShmGroup::WaitFor(int peer, uint64_t step) {
   constexpr auto kCheckEvery = std::chrono::milliseconds(100);
   auto next_check = Clock::now() + kCheckEvery;
   for (int spins = 0; h->step.load(std::memory_order_acquire) < step; ++spins) {
+    if (progress_ && spins % 256 == 255) progress_();
     if (spins < 2000) {
       KR_CPU_RELAX();
       continue;
@@ -248,12 +250,8 @@ void ShmGroup::Allreduce(const ShmAllreduceOptions& o) {
   }
   if (total == 0) return;
   const int p = size();
-  ReduceOp op = o.op;
   double postscale = o.postscale_factor;
-  if (op == ReduceOp::kAverage) {
-    op = ReduceOp::kSum;
-    postscale /= p;
-  }
+  const ReduceOp op = SumForAverage(o.op, p, &postscale);
   const size_t per_round = slot_bytes_ / esize;
   const size_t align = kAlign / esize;
   for (size_t begin = 0; begin < total; begin += per_round) {

@@ -65,13 +65,17 @@ class ShmGroup {
   // `key` (unique to this group on the host: every rank's segment is named
   // after it), `slot_bytes` and `world_ranks` (used to name ranks in errors).
   // `all_agree(ok)` must return whether every rank passed true, and act as a
-  // barrier. Returns null (on every rank) if any rank could not create or
+  // barrier. `progress`, if given, is called now and then while a wait lasts:
+  // the engine drives MPI there, so that a message this rank is sending (say
+  // a large control message, which MPI may only move while the sender is in
+  // an MPI call) can reach a peer that needs it before it can join. Returns null (on every rank) if any rank could not create or
   // map a segment; *why then holds this rank's own reason, or is empty if
   // the failure was another rank's.
   static std::unique_ptr<ShmGroup> Create(int rank, const std::vector<int>& world_ranks,
                                           const std::string& key, size_t slot_bytes,
                                           const std::function<bool(bool)>& all_agree,
-                                          std::string* why);
+                                          std::string* why,
+                                          std::function<void()> progress = nullptr);
   ~ShmGroup();
   ShmGroup(const ShmGroup&) = delete;
   ShmGroup& operator=(const ShmGroup&) = delete;
@@ -106,6 +110,7 @@ class ShmGroup {
   size_t slot_bytes_ = 0;
   uint64_t step_ = 0;   // progress counter, the same on every rank between collectives
   bool check_pids_ = false;  // peers' pids are visible from here
+  std::function<void()> progress_;
 };
 
 }  // namespace keras_ring
