@@ -946,6 +946,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   if (set.shm) {
     // Inputs are copied straight into shared memory and results straight
     // out of it: no packing, fused or not.
+    const auto started = timeline_.Now();
     ShmAllreduceOptions o;
     for (const Request& req : requests) {
       o.spans.push_back({req.input, req.output, ElementCount(req.meta.shape)});
@@ -970,6 +971,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
       };
     }
     set.shm->Allreduce(o);
+    if (requests.size() > 1) TracePhases(requests, {{"COMMUNICATE", started, timeline_.Now()}});
     stats_.shm_collectives += 1;
     if (set.cross) stats_.hierarchical_collectives += 1;
     return;
@@ -1013,9 +1015,11 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
     CopyElements(req.output, m.dtype, packed, m.wire_dtype, count);
     packed += count * esize;
   }
-  TracePhases(requests, {{"PACK", packing, packed_at},
-                        {"COMMUNICATE", packed_at, reduced},
-                        {"UNPACK", reduced, timeline_.Now()}});
+  if (requests.size() > 1) {  // else Run() records the whole as one phase
+    TracePhases(requests, {{"PACK", packing, packed_at},
+                          {"COMMUNICATE", packed_at, reduced},
+                          {"UNPACK", reduced, timeline_.Now()}});
+  }
 }
 
 void Engine::RunBroadcast(ProcessSet& set, const Request& req) {

@@ -19,8 +19,8 @@
 #include "c_api.h"
 #include "common.h"
 #include "negotiation.h"
-#include "timeline.h"
 #include "shm.h"
+#include "timeline.h"
 #include "transport/transport.h"
 
 namespace keras_ring {
