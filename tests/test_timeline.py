@@ -28,7 +28,9 @@ def rows_and_spans(path):
     return by_tensor
 
 
-def check_sequence(path, rank, step=""):
+def check_sequence(path, rank, step="", packs=False):
+    # Fused tensors show PACK and UNPACK only over MPI (`packs`): shared memory
+    # copies them in and out within COMMUNICATE, with no fusion buffer.
     by_tensor = rows_and_spans(path)
     groups = set()
     for tensor in ("fused.a", "fused.b", "fused.c", "single", "gather", "bcast"):
@@ -45,7 +47,7 @@ def check_sequence(path, rank, step=""):
                 assert s["end"] <= top[collective]["end"] + 0.05
         fused = tensor.startswith("fused")
         assert top[collective]["args"]["tensors"] == (3 if fused else 1), (tensor, top)
-        assert ({"PACK", "UNPACK"} <= set(kinds)) == fused, (tensor, kinds)
+        assert ({"PACK", "UNPACK"} <= set(kinds)) == (fused and packs), (tensor, kinds)
         if fused:
             groups.add(top[collective]["args"]["group"])
     assert len(groups) == 1, groups  # one collective for the three
@@ -54,10 +56,15 @@ def check_sequence(path, rank, step=""):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("np_", [2, 3])
-def test_timeline_from_the_environment(run_ranks, tmp_path, np_):
+@pytest.mark.parametrize("np_, shm", [(2, "1"), (3, "1"), (2, "0")], ids=["2", "3", "2-mpi"])
+def test_timeline_from_the_environment(run_ranks, tmp_path, np_, shm):
     path = str(tmp_path / "trace.json")
-    env = {"KERAS_RING_TIMELINE": path, "KERAS_RING_LOG_LEVEL": "info", **FUSING}
+    env = {
+        "KERAS_RING_TIMELINE": path,
+        "KERAS_RING_LOG_LEVEL": "info",
+        "KERAS_RING_SHM": shm,
+        **FUSING,
+    }
     result = run_ranks(np_, WORKER, "env", path, timeout=300, env=env)
     groups = set()
     for rank in range(np_):
@@ -66,7 +73,7 @@ def test_timeline_from_the_environment(run_ranks, tmp_path, np_):
             result.stdout
         ), result.stdout
         json.loads(read(file))  # closed at shutdown: strict JSON
-        groups.add(check_sequence(file, rank))
+        groups.add(check_sequence(file, rank, packs=shm == "0"))
     assert len(groups) == 1, groups  # every rank numbers the fused collective alike
     merged = timeline.merge(path)
     assert merged == path
