@@ -1,5 +1,6 @@
 #include "engine.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,8 +54,20 @@ constexpr size_t kDefaultCacheCapacity = 1024;
 // Up to this size an allreduce over MPI uses recursive doubling, the ring
 // above (measured: docs/performance.md).
 constexpr size_t kDefaultSmallAllreduceBytes = size_t(64) << 10;
-// Bytes of one shared-memory round (each rank maps two per member).
-constexpr size_t kDefaultShmSlotBytes = size_t(1) << 20;
+// Bytes of one shared-memory round (each rank maps two per member), when
+// KERAS_RING_SHM_SLOT_BYTES is 0 (auto). Measured (docs/performance.md):
+// with a core per rank, small rounds that stay in the caches win; with more
+// ranks than cores each round's two waits cost context switches, so fewer,
+// larger rounds win.
+constexpr size_t kShmSlotBytes = size_t(256) << 10;
+constexpr size_t kShmSlotBytesOversubscribed = size_t(4) << 20;
+
+// CPUs this process may run on.
+int UsableCpus() {
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) return 1;
+  return CPU_COUNT(&cpus);
+}
 constexpr double kDefaultStallCheckSeconds = 60;
 // How often an otherwise idle coordinator wakes to receive ready lists and
 // look for stalls: once a second costs nothing measurable.
@@ -191,8 +204,8 @@ kr_status Engine::Init(std::string* error) {
     small_allreduce_bytes_ = Setting<unsigned long long>(
         {"KERAS_RING_SMALL_ALLREDUCE_BYTES"}, kDefaultSmallAllreduceBytes, "a number of bytes",
         ParseCount);
-    shm_slot_bytes_ = Setting<unsigned long long>({"KERAS_RING_SHM_SLOT_BYTES"},
-                                                  kDefaultShmSlotBytes, "a number of bytes",
+    shm_slot_bytes_ = Setting<unsigned long long>({"KERAS_RING_SHM_SLOT_BYTES"}, 0,
+                                                  "a number of bytes (0: chosen by the engine)",
                                                   ParseCount);
     stall_shutdown_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"}, 0.0,
@@ -1174,6 +1187,13 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
         (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
     std::snprintf(key, sizeof key, "%dx%016llx-%d", static_cast<int>(getpid()), nonce, id);
   }
+  // The slot size must agree across hosts too (the hierarchical blocks line up).
+  unsigned long long slot_bytes = shm_slot_bytes_;
+  if (slot_bytes == 0) {
+    slot_bytes = local_size > UsableCpus() ? kShmSlotBytesOversubscribed : kShmSlotBytes;
+  }
+  CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &slot_bytes, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, set.comm),
+           "MPI_Allreduce (shared memory)");
   std::vector<int> local_world(local_size);
   CheckMpi(MPI_Bcast(key, sizeof key, MPI_CHAR, 0, local), "MPI_Bcast (shared memory)");
   CheckMpi(MPI_Allgather(&topology_.rank, 1, MPI_INT, local_world.data(), 1, MPI_INT, local),
@@ -1194,7 +1214,7 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
     int flag = 0;
     MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, control_comm_, &flag, MPI_STATUS_IGNORE);
   };
-  set.shm = ShmGroup::Create(local_rank, local_world, key, shm_slot_bytes_, all_agree, &why,
+  set.shm = ShmGroup::Create(local_rank, local_world, key, slot_bytes, all_agree, &why,
                              progress);
   if (!set.shm && !why.empty()) {
     std::fprintf(stderr,
