@@ -956,7 +956,14 @@ kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::
 
 void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests) {
   const TensorMeta& m = requests[0].meta;
-  if (set.shm) {
+  size_t bytes = 0;
+  for (const Request& req : requests) bytes += ElementCount(req.meta.shape);
+  bytes *= DataTypeSize(m.wire_dtype);
+  // With more ranks than cores, a shared-memory allreduce waits for ranks
+  // that are not running; MPI's recursive doubling is faster for small ones
+  // (measured: 3 ranks on 2 cores, 4 KiB: 0.07 ms against 0.62 ms).
+  const bool small = set.shm_oversubscribed && bytes <= small_allreduce_bytes_;
+  if (set.shm && !small) {
     // Inputs are copied straight into shared memory and results straight
     // out of it: no packing, fused or not.
     const auto started = timeline_.Now();
@@ -1188,10 +1195,12 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
     std::snprintf(key, sizeof key, "%dx%016llx-%d", static_cast<int>(getpid()), nonce, id);
   }
   // The slot size must agree across hosts too (the hierarchical blocks line up).
+  int oversubscribed = local_size > UsableCpus();
+  CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &oversubscribed, 1, MPI_INT, MPI_LOR, set.comm),
+           "MPI_Allreduce (shared memory)");
+  set.shm_oversubscribed = oversubscribed;
   unsigned long long slot_bytes = shm_slot_bytes_;
-  if (slot_bytes == 0) {
-    slot_bytes = local_size > UsableCpus() ? kShmSlotBytesOversubscribed : kShmSlotBytes;
-  }
+  if (slot_bytes == 0) slot_bytes = oversubscribed ? kShmSlotBytesOversubscribed : kShmSlotBytes;
   CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &slot_bytes, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, set.comm),
            "MPI_Allreduce (shared memory)");
   std::vector<int> local_world(local_size);

@@ -54,6 +54,9 @@ struct ProcessSet {
   // set spans hosts (hierarchical), `cross` links this member with those of
   // the same local rank on the other hosts.
   std::unique_ptr<ShmGroup> shm;
+  // A host has more of the set's ranks than cores: small allreduces go over
+  // MPI instead (the same on every member).
+  bool shm_oversubscribed = false;
   MPI_Comm cross_comm = MPI_COMM_NULL;
   std::unique_ptr<Transport> cross;
   // World rank 0 coordinates every set, member or not.
