@@ -68,9 +68,64 @@ def test_np_is_checked():
         kr.run(print, np=0)
 
 
-def test_interrupting_the_caller_stops_the_workers(tmp_path):
-    script = tmp_path / "caller.py"
-    script.write_text(textwrap.dedent(f"""
+class _ScriptCaller:
+    """kr.run in a plain Python process, interrupted with SIGINT (Ctrl-C)."""
+
+    def __init__(self, tmp_path, code):
+        script = tmp_path / "caller.py"
+        script.write_text(code + CATCH_INTERRUPT)
+        self.process = subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, text=True
+        )
+
+    def interrupt(self):
+        self.process.send_signal(signal.SIGINT)
+
+    def check_interrupted(self):
+        out, _ = self.process.communicate(timeout=60)
+        assert "caller interrupted" in out
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.kill()
+
+
+class _KernelCaller:
+    """kr.run in a Jupyter kernel, interrupted as the notebook's stop button does."""
+
+    def __init__(self, tmp_path, code):
+        from jupyter_client.manager import start_new_kernel
+
+        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+        self.msg_id = self.client.execute(code + "run()")
+
+    def interrupt(self):
+        self.manager.interrupt_kernel()
+
+    def check_interrupted(self):
+        while True:
+            reply = self.client.get_shell_msg(timeout=60)
+            if reply["parent_header"].get("msg_id") == self.msg_id:
+                break
+        assert reply["content"]["status"] == "error", reply["content"]
+        assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+
+    def close(self):
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+CATCH_INTERRUPT = """
+try:
+    run()
+except KeyboardInterrupt:
+    print("caller interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("caller_type", [_ScriptCaller, _KernelCaller], ids=["script", "kernel"])
+def test_interrupting_the_caller_stops_the_workers(tmp_path, caller_type):
+    code = textwrap.dedent(f"""
         import os, time
         import keras_ring as kr
 
@@ -78,19 +133,19 @@ def test_interrupting_the_caller_stops_the_workers(tmp_path):
             open(os.path.join({str(tmp_path)!r}, f"pid.{{os.getpid()}}"), "w").close()
             time.sleep(300)
 
-        try:
+        def run():
             kr.run(sleeper, np=2)
-        except KeyboardInterrupt:
-            print("caller interrupted", flush=True)
-    """))
-    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while len(list(tmp_path.glob("pid.*"))) < 2:
-        assert time.time() < deadline, "the workers did not start"
-        time.sleep(0.2)
-    caller.send_signal(signal.SIGINT)
-    out, _ = caller.communicate(timeout=60)
-    assert "caller interrupted" in out
+    """)
+    caller = caller_type(tmp_path, code)
+    try:
+        deadline = time.time() + 120
+        while len(list(tmp_path.glob("pid.*"))) < 2:
+            assert time.time() < deadline, "the workers did not start"
+            time.sleep(0.2)
+        caller.interrupt()
+        caller.check_interrupted()
+    finally:
+        caller.close()
     for pid_file in tmp_path.glob("pid.*"):
         pid = int(pid_file.name.split(".")[1])
         for _ in range(50):
