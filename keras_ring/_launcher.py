@@ -18,6 +18,7 @@ This module imports neither TensorFlow nor the engine, so it starts fast.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -72,6 +73,13 @@ _FORKER_CLEANUP_SIGNAL = signal.SIGQUIT
 _SIGNALS_BY_DESCRIPTION = {
     signal.strsignal(s).encode(): s for s in signal.Signals if signal.strsignal(s)
 }
+# MPICH (5.0 here) names a job's shared-memory segments after an FNV-1a hash of
+# its PMI kvsname, which the forker makes from its own pid: "kvs_<pid>_0". A rank
+# killed before MPI_Finalize leaves them in /dev/shm, and once pids wrap a later
+# forker with that pid makes its ranks all attach to the stale segment as if a
+# peer had created it (shm_open with O_EXCL decides who initialises it): MPI_Init
+# then fails on the dead job's queues ("Invalid GenQ flag", "Message truncated").
+_FORKER_SEGMENT_FORMATS = ("/dev/shm/mpich_shm_{:x}_0", "/dev/shm/mpich_vci_{:x}_0")
 
 
 class LaunchError(Exception):
@@ -364,7 +372,12 @@ def run_job(argv, env, forker=False):
         The job's exit code: the launcher's, or 128 + N when the launcher,
         or (under the forker) a rank, died of signal N.
     """
-    with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE if forker else None) as child:
+    # The forker's segment names follow from its pid: clear a dead job's
+    # leftovers under them in the child, before any rank can exist.
+    clear_names = (lambda: remove_forker_segments(os.getpid())) if forker else None
+    with subprocess.Popen(
+        argv, env=env, stderr=subprocess.PIPE if forker else None, preexec_fn=clear_names
+    ) as child:
 
         def forward(signum, frame):
             # Ctrl-C reaches the whole foreground process group, the launcher too; a
@@ -374,7 +387,13 @@ def run_job(argv, env, forker=False):
 
         previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED_SIGNALS}
         try:
-            rank_signal = _relay_forker_stderr(child.stderr) if forker else None
+            rank_signal = None
+            if forker:
+                rank_signal = _relay_forker_stderr(child.stderr)
+                # Removed before the forker is reaped, while no other process can
+                # take its pid: what a killed rank left, never another job's.
+                os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+                remove_forker_segments(child.pid)
             returncode = child.wait()
         finally:
             for signum, handler in previous.items():
@@ -389,6 +408,43 @@ def run_job(argv, env, forker=False):
     if returncode == 0 and rank_signal is not None:
         return 128 + rank_signal
     return returncode
+
+
+def forker_segment_paths(pid):
+    """Returns the paths of the shared-memory segments of an MPICH forker's job.
+
+    Args:
+        pid: The process id of the `mpiexec.gforker` that runs the job.
+
+    Returns:
+        The `/dev/shm` paths MPICH's ranks use on this host (the general segment,
+        and the one for several virtual communication interfaces).
+
+    Example:
+
+    >>> forker_segment_paths(1234)
+    ['/dev/shm/mpich_shm_935ed4cd_0', '/dev/shm/mpich_vci_935ed4cd_0']
+    """
+    world_id = 2166136261  # MPICH's world id: FNV-1a (32 bits) of the kvsname.
+    for byte in f"kvs_{pid}_0".encode():
+        world_id = ((world_id ^ byte) * 16777619) & 0xFFFFFFFF
+    return [name.format(world_id) for name in _FORKER_SEGMENT_FORMATS]
+
+
+def remove_forker_segments(pid):
+    """Removes the shared-memory segments of the forker job of `pid`, if there are any.
+
+    Call it only while `pid` is a forker this process started, or this very
+    process: then no running job can own these names. Ranks that have mapped
+    a segment keep it until they exit.
+
+    Args:
+        pid: The process id of the `mpiexec.gforker` of the job.
+    """
+    for path in forker_segment_paths(pid):
+        # Missing: the job ended normally. Another user's: not ours to remove.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _in_terminal_foreground():

@@ -5,6 +5,8 @@ import re
 
 import pytest
 
+from keras_ring._launcher import forker_segment_paths
+
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_worker.py")
 
 
@@ -85,12 +87,18 @@ def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, n
     assert result.returncode == 128 + 9, result.stdout
     assert "rank 1 died of signal 9 (Killed)" in result.stdout
     assert "without rank 1" not in result.stdout
-    pids = re.findall(r"rank \d+ pid (\d+)", result.stdout)
-    assert len(pids) == np_, result.stdout
-    # Segments are named kr-<pid of the host's first rank>x...
+    ranks = re.findall(r"rank \d+ pid (\d+) forker (\d+)", result.stdout)
+    assert len(ranks) == np_, result.stdout
+    # Ours are named kr-<pid of the host's first rank>x...; MPICH's after its forker.
     left = [
         name
         for name in os.listdir("/dev/shm")
-        if any(name.startswith(f"kr-{pid}x") for pid in pids)
+        if any(name.startswith(f"kr-{pid}x") for pid, _ in ranks)
+    ]
+    left += [
+        path
+        for _, forker in ranks
+        for path in forker_segment_paths(int(forker))
+        if os.path.exists(path)
     ]
     assert not left, left

@@ -263,6 +263,37 @@ def test_rank_killed_by_a_signal_fails_a_forker_job(monkeypatch, tmp_path, capfd
             "ranks.") in err
 
 
+def test_forker_job_removes_its_segments_and_no_others(monkeypatch, tmp_path, capfd):
+    # The fake forker leaves what a killed rank would: MPICH's segments named
+    # after the forker's pid. It also makes one named after this live process,
+    # which no job can own, standing for another job's.
+    bin_dir = tmp_path / "bin"
+    mpiexec = write_fake_launcher(bin_dir / "mpiexec", VERSION_TEXT["MPICH"])
+    forker = bin_dir / "mpiexec.gforker"
+    forker.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        "from keras_ring import _launcher\n"
+        "paths = _launcher.forker_segment_paths(os.getpid())\n"
+        "paths.append(_launcher.forker_segment_paths(os.getppid())[0])\n"
+        "for path in paths:\n"
+        "    open(path, 'x').close()\n"
+        f"open({str(tmp_path / 'forker.pid')!r}, 'w').write(str(os.getpid()))\n"
+    )
+    forker.chmod(0o755)
+    write_build_info(monkeypatch, tmp_path, mpi_source="system", mpiexec=str(mpiexec))
+    others = _launcher.forker_segment_paths(os.getpid())[0]
+    try:
+        code, err = run_main(capfd, "-np", "2", *COMMAND)
+        assert code == 0, err
+        forker_pid = int((tmp_path / "forker.pid").read_text())
+        left = [p for p in _launcher.forker_segment_paths(forker_pid) if os.path.exists(p)]
+        assert not left, left
+        assert os.path.exists(others)
+    finally:
+        os.unlink(others)
+
+
 # The environment a rank was started with (keras_ring/_mpi_env.py).
 
 HYDRA_ENV = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "9", "HYDI_CONTROL_FD": "7"}
@@ -497,3 +528,26 @@ def test_ranks_see_the_launcher_they_were_built_for(run_ranks, tmp_path):
     )
     result = run_ranks(2, script, timeout=120)
     assert result.stdout.count("expected size 2") == 2, result.stdout
+
+
+@pytest.mark.multirank
+def test_ranks_use_the_mpich_segment_named_after_the_forker(run_ranks, tmp_path):
+    # keras-ring-run removes a dead job's segment under that name before the
+    # ranks start, and the job's own after it ends: the name must be MPICH's.
+    if _launcher.read_build_info()["mpi_source"] != "pypi-mpich":
+        pytest.skip("one-host jobs of a system MPICH without mpiexec.gforker run under Hydra")
+    script = tmp_path / "segments.py"
+    script.write_text(
+        "import os\n"
+        "import keras_ring as kr\n"
+        "kr.init()\n"
+        "with open('/proc/self/maps') as f:\n"
+        "    names = {line.split()[5] for line in f if '/mpich_shm_' in line}\n"
+        "print(f'forker {os.getppid()} segments {sorted(names)}', flush=True)\n"
+    )
+    result = run_ranks(2, script, timeout=120)
+    found = re.findall(r"forker (\d+) segments \[\'(\S+)\'\]", result.stdout)
+    assert len(found) == 2, result.stdout
+    for forker_pid, name in found:
+        assert name == _launcher.forker_segment_paths(int(forker_pid))[0]
+        assert not os.path.exists(name)

@@ -1,7 +1,8 @@
 """Rank 1 is killed (SIGKILL: no exit code runs) while the others wait in an allreduce.
 
 The job must end, not hang, and say which rank died. Each rank prints its pid
-first, so that the test can look for shared-memory segments left behind.
+and its parent's (the forker, after which MPICH names its segment) first, so
+that the test can look for shared-memory segments left behind.
 """
 
 import os
@@ -14,7 +15,7 @@ import keras_ring as kr
 from keras_ring import _engine
 
 kr.init()
-print(f"rank {kr.rank()} pid {os.getpid()}", flush=True)
+print(f"rank {kr.rank()} pid {os.getpid()} forker {os.getppid()}", flush=True)
 if kr.rank() == 1:
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -1,7 +1,8 @@
 """Rank 1 is killed (SIGKILL) while every rank loops over shared-memory allreduces.
 
-Each rank prints its pid first, so that the test can look for shared-memory
-segments the job left behind: there must be none, and the job must end.
+Each rank prints its pid and its parent's (the forker, after which MPICH names
+its segment) first, so that the test can look for shared-memory segments the
+job left behind: there must be none, and the job must end.
 """
 
 import os
@@ -15,7 +16,7 @@ import keras_ring as kr
 from keras_ring import _engine
 
 kr.init()
-print(f"rank {kr.rank()} pid {os.getpid()}", flush=True)
+print(f"rank {kr.rank()} pid {os.getpid()} forker {os.getppid()}", flush=True)
 if kr.rank() == 1:
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
 x = np.ones(2**21, np.float32)
