@@ -63,67 +63,47 @@ def run_ranks():
     """
 
     def run(np, script_path, *args, timeout=300, env=None, check=True):
-        result = _run_job(np, script_path, args, timeout, env)
-        failure = next((f for f in MPICH_INIT_FAILURES if f in result.stdout), None)
-        if failure:
-            # MPICH failed inside its own MPI_Init, before keras-ring ran
-            # anything (seen twice in several full runs on this loaded 2-core
-            # machine, each right after a job whose rank was killed): run the
-            # job again, once.
-            print(f"MPICH failed inside MPI_Init ({failure}); running the job again")
-            result = _run_job(np, script_path, args, timeout, env)
-        if check and result.returncode != 0:
-            pytest.fail(
-                f"{np}-rank job {script_path} exited with {result.returncode}. "
-                f"Output tail:\n{_tail(result.stdout)}"
+        command = [
+            os.path.join(os.path.dirname(sys.executable), "keras-ring-run"),
+            "-np",
+            str(np),
+            "--",
+            sys.executable,
+            str(script_path),
+            *map(str, args),
+        ]
+        job_env = {**os.environ, **RANK_THREAD_ENV, **(env or {})}
+        # A file, not a pipe: ranks that outlive a killed launcher cannot block the read.
+        with tempfile.TemporaryFile() as output:
+            job = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=job_env,
+                start_new_session=True,
             )
-        return result
+            try:
+                job.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _stop_process_group(job)
+            output.seek(0)
+            text = output.read().decode(errors="replace")
+        if timed_out:
+            pytest.fail(
+                f"{np}-rank job {script_path} ran past {timeout} s and was stopped. "
+                f"Output tail:\n{_tail(text)}"
+            )
+        if check and job.returncode != 0:
+            pytest.fail(
+                f"{np}-rank job {script_path} exited with {job.returncode}. "
+                f"Output tail:\n{_tail(text)}"
+            )
+        return subprocess.CompletedProcess(command, job.returncode, text, None)
 
     return run
-
-
-MPICH_INIT_FAILURES = (
-    "mpidu_genq_shmem_queue.h at line 350: Invalid GenQ flag",  # asserted in PMPI_Init_thread
-    "Fatal error in internal_Init_thread",
-)
-
-
-def _run_job(np, script_path, args, timeout, env):
-    """One launch of the job; fails the test if it runs past `timeout`."""
-    command = [
-        os.path.join(os.path.dirname(sys.executable), "keras-ring-run"),
-        "-np",
-        str(np),
-        "--",
-        sys.executable,
-        str(script_path),
-        *map(str, args),
-    ]
-    job_env = {**os.environ, **RANK_THREAD_ENV, **(env or {})}
-    # A file, not a pipe: ranks that outlive a killed launcher cannot block the read.
-    with tempfile.TemporaryFile() as output:
-        job = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env=job_env,
-            start_new_session=True,
-        )
-        try:
-            job.wait(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _stop_process_group(job)
-        output.seek(0)
-        text = output.read().decode(errors="replace")
-    if timed_out:
-        pytest.fail(
-            f"{np}-rank job {script_path} ran past {timeout} s and was stopped. "
-            f"Output tail:\n{_tail(text)}"
-        )
-    return subprocess.CompletedProcess(command, job.returncode, text, None)
 
 
 def _stop_process_group(job):
