@@ -366,7 +366,8 @@ def run_job(argv, env, forker=False):
         argv: The launcher command line.
         env: The environment of the job.
         forker: Whether the launcher is MPICH's forker, whose stderr is
-            relayed to find ranks killed by a signal.
+            relayed to find ranks killed by a signal, and whose MPICH
+            segments are removed before the job starts and after it ends.
 
     Returns:
         The job's exit code: the launcher's, or 128 + N when the launcher,
