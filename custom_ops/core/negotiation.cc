@@ -61,6 +61,13 @@ class Reader {
   size_t pos_ = 0;
 };
 
+// What fusion counts of a tensor.
+size_t Bytes(const TensorMeta& m) {
+  size_t count = 1;
+  for (int64_t d : m.shape) count *= static_cast<size_t>(d);
+  return count * DataTypeSize(m.dtype);
+}
+
 std::string DimsToString(const std::vector<int64_t>& dims) {
   std::ostringstream s;
   s << "[";
@@ -208,6 +215,15 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes) {
 
 void Coordinator::Add(int rank, TensorMeta meta, std::vector<Response>* out,
                       Clock::time_point now) {
+  if (!waiting_by_id_.empty()) {
+    if (meta.collective == Collective::kJoin) {
+      // Joined ranks count as present: the table decides from now on.
+      while (!waiting_by_id_.empty()) MoveToTable(waiting_by_id_.back());
+    } else {
+      auto it = cache_ids_.find(meta.name);
+      if (it != cache_ids_.end() && by_id_[it->second].count > 0) MoveToTable(it->second);
+    }
+  }
   Record(rank, std::move(meta), false, out, now);
 }
 
@@ -215,7 +231,64 @@ void Coordinator::AddCached(int rank, int32_t id, std::vector<Response>* out,
                             Clock::time_point now) {
   KR_CHECK(id >= 0 && size_t(id) < cache_.size(),
            "rank " + std::to_string(rank) + " sent unknown cache id " + std::to_string(id));
-  Record(rank, cache_[id].metas[rank], true, out, now);
+  const Cached& cached = cache_[id];
+  const Collective c = cached.metas[0].collective;
+  const bool fast = (c == Collective::kAllreduce || c == Collective::kBroadcast ||
+                     c == Collective::kReducescatter) &&
+                    (table_.empty() || !table_.count(cached.name)) && !AnyJoined();
+  if (!fast) {
+    Record(rank, cached.metas[rank], true, out, now);
+    return;
+  }
+  ById& w = by_id_[id];
+  if (w.count == 0) {
+    w.present.assign(size_, false);
+    w.first_seen = now;
+    w.slot = waiting_by_id_.size();
+    waiting_by_id_.push_back(id);
+  }
+  KR_CHECK(!w.present[rank], "rank " + std::to_string(rank) + " sent tensor '" + cached.name +
+                                 "' twice before it completed");
+  w.present[rank] = true;
+  if (++w.count < size_) return;
+  StopWaitingById(id);
+  // What the table would decide for a name every rank sent by id.
+  Response resp;
+  resp.names = {cached.name};
+  resp.metas = {cached.metas[0]};
+  resp.cache_ids = {id};
+  resp.cached = true;
+  resp.bytes = Bytes(cached.metas[0]);
+  out->push_back(std::move(resp));
+}
+
+void Coordinator::StopWaitingById(int32_t id) {
+  ById& w = by_id_[id];
+  w.count = 0;
+  waiting_by_id_[w.slot] = waiting_by_id_.back();
+  by_id_[waiting_by_id_[w.slot]].slot = w.slot;
+  waiting_by_id_.pop_back();
+}
+
+void Coordinator::MoveToTable(int32_t id) {
+  const ById& w = by_id_[id];
+  Entry& e = table_[cache_[id].name];
+  e.metas.resize(size_);
+  e.present = w.present;
+  e.count = e.by_id = w.count;
+  e.first_seen = w.first_seen;
+  for (int r = 0; r < size_; ++r) {
+    if (w.present[r]) e.metas[r] = cache_[id].metas[r];
+  }
+  StopWaitingById(id);
+}
+
+void Coordinator::MoveToTableIfWaited(Clock::time_point now, Clock::duration after) {
+  for (int32_t id : waiting_by_id_) {
+    if (now - by_id_[id].first_seen < after) continue;
+    while (!waiting_by_id_.empty()) MoveToTable(waiting_by_id_.back());
+    return;
+  }
 }
 
 bool Coordinator::JoinedTakePart(Collective c) {
@@ -276,9 +349,7 @@ void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
   resp.names = {name};
   resp.metas = {first};
   resp.cache_ids = {-1};
-  size_t count = 1;
-  for (int64_t d : first.shape) count *= static_cast<size_t>(d);
-  resp.bytes = count * DataTypeSize(first.dtype);
+  resp.bytes = Bytes(first);
   const bool everyone = e.count == size_;
   resp.send_metas = !everyone;
   // Every rank sent it by id: the descriptions were agreed when cached.
@@ -320,6 +391,7 @@ void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
       if (!renew) {
         it = cache_ids_.emplace(name, static_cast<int32_t>(cache_.size())).first;
         cache_.emplace_back();
+        by_id_.emplace_back();
       }
       cache_[it->second] = {name, e.metas};
       resp.cache_ids = {it->second};
@@ -434,14 +506,14 @@ std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
     Response fused = std::move(responses[i]);
     if (Fusable(fused) && threshold > 0) {  // 0: no fusion, even of empty tensors
       for (size_t j = i + 1; j < responses.size(); ++j) {
-        const Response& next = responses[j];
+        Response& next = responses[j];
         if (taken[j] || !Fusable(next) || !SameReduction(fused, next) ||
             fused.bytes + next.bytes > threshold) {
           continue;
         }
-        fused.names.push_back(next.names[0]);
+        fused.names.push_back(std::move(next.names[0]));
         fused.cache_ids.push_back(next.cache_ids[0]);
-        fused.metas.push_back(next.metas[0]);
+        fused.metas.push_back(std::move(next.metas[0]));
         fused.cached = fused.cached && next.cached;
         fused.send_metas = fused.send_metas || next.send_metas;
         fused.bytes += next.bytes;
@@ -475,6 +547,7 @@ std::string Coordinator::Stall(const std::string& name, const Entry& e,
 std::vector<std::string> Coordinator::StallReports(Clock::time_point now,
                                                    Clock::duration report_after) {
   // Waiting in a join is not a stall: the ranks with data are still working.
+  MoveToTableIfWaited(now, report_after / 2);
   auto stalled = [&](const Entry& e, Clock::duration after) {
     return !e.reported && now - e.first_seen >= after &&
            e.first().collective != Collective::kJoin;
@@ -516,6 +589,7 @@ std::vector<std::string> Coordinator::StallReports(Clock::time_point now,
 
 void Coordinator::FailStalled(Clock::time_point now, Clock::duration fail_after,
                               std::vector<Response>* out) {
+  MoveToTableIfWaited(now, fail_after);
   std::vector<std::string> stalled;
   for (const auto& [name, e] : table_) {
     if (now - e.first_seen >= fail_after && e.first().collective != Collective::kJoin) {

@@ -141,7 +141,7 @@ class Coordinator {
   // The same for a name `rank` sent by cache id.
   void AddCached(int rank, int32_t id, std::vector<Response>* out,
                  Clock::time_point now = Clock::now());
-  bool HasWaiting() const { return !table_.empty(); }
+  bool HasWaiting() const { return !table_.empty() || !waiting_by_id_.empty(); }
 
   // Stall handling. Once a name has waited `report_after`, the names that
   // have waited at least half that long, each reported once: one report per
@@ -172,6 +172,22 @@ class Coordinator {
     std::string name;
     std::vector<TensorMeta> metas;  // each rank's request when it was agreed
   };
+  // The fast path: a cached allreduce, broadcast or reducescatter that every
+  // rank has so far sent by id waits here, counted by id, with no
+  // description copied and nothing allocated (the table costs about 0.7 us
+  // per name and round, measured). A full description of the name, a join or
+  // a due stall check moves it into the table, whose checks then apply.
+  struct ById {
+    std::vector<bool> present;  // by rank
+    int count = 0;              // 0: not waiting
+    size_t slot = 0;            // its place in waiting_by_id_
+    Clock::time_point first_seen;
+  };
+  void MoveToTable(int32_t id);
+  // Moves every name waiting by id into the table if one has waited `after`.
+  void MoveToTableIfWaited(Clock::time_point now, Clock::duration after);
+  void StopWaitingById(int32_t id);
+  bool AnyJoined() const { return std::find(joined_.begin(), joined_.end(), true) != joined_.end(); }
   void Record(int rank, TensorMeta meta, bool by_id, std::vector<Response>* out,
               Clock::time_point now);
   bool Complete(const Entry& e) const;
@@ -195,6 +211,8 @@ class Coordinator {
   std::string label_;  // "in process set 1, " or empty
   std::unordered_map<std::string, Entry> table_;
   std::vector<Cached> cache_;  // by id
+  std::vector<ById> by_id_;    // by id
+  std::vector<int32_t> waiting_by_id_;
   std::unordered_map<std::string, int32_t> cache_ids_;
   std::unordered_set<std::string> seen_once_;  // agreed once, not cached
   std::vector<bool> shutdown_;

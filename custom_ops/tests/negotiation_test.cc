@@ -294,6 +294,99 @@ TensorMeta Join() {
   return m;
 }
 
+// Caches "a" (id 0) and "b" (id 1) on a three-rank coordinator.
+Coordinator ThreeRanksWithTwoCachedNames() {
+  Coordinator c(3);
+  std::vector<Response> out;
+  for (int i = 0; i < 2; ++i) {
+    for (int r = 0; r < 3; ++r) c.Add(r, Allreduce("a", {4}), &out);
+    for (int r = 0; r < 3; ++r) c.Add(r, Allreduce("b", {2}), &out);
+  }
+  return c;
+}
+
+// Names sent by id wait outside the table (the fast path); a full
+// description, a join or a stall hands them to the table with what the ranks
+// sent so far, so its checks still apply.
+KR_TEST(NamesWaitingByIdMoveToTheTableWhenTheyNeedItsChecks) {
+  using std::chrono::seconds;
+  const auto t0 = Coordinator::Clock::now();
+  std::vector<Response> out;
+  {  // every rank by id: the same decision as the table's
+    Coordinator c = ThreeRanksWithTwoCachedNames();
+    c.AddCached(2, 1, &out, t0);
+    c.AddCached(0, 1, &out, t0);
+    KR_EXPECT(out.empty() && c.HasWaiting());
+    KR_EXPECT_THROW(c.AddCached(0, 1, &out, t0), EngineError, "sent tensor 'b' twice");
+    c.AddCached(1, 1, &out, t0);
+    KR_EXPECT_EQ(out.size(), 1u);
+    KR_EXPECT(out[0].cached && out[0].error.empty() && !out[0].send_metas);
+    KR_EXPECT(out[0].names == std::vector<std::string>({"b"}) && out[0].bytes == 8u);
+    KR_EXPECT(out[0].cache_ids == std::vector<int32_t>({1}) && out[0].metas[0] == Allreduce("b", {2}));
+    KR_EXPECT(!c.HasWaiting());
+  }
+  {  // one rank's request changed after two sent theirs by id: named on all
+    out.clear();
+    Coordinator c = ThreeRanksWithTwoCachedNames();
+    c.AddCached(0, 0, &out, t0);
+    c.AddCached(1, 0, &out, t0);
+    c.Add(2, Allreduce("a", {5}), &out, t0);
+    KR_EXPECT_EQ(out.size(), 1u);
+    KR_EXPECT(out[0].error.find("rank 0 sent allreduce of float32[4] op=sum; rank 1 sent "
+                                "allreduce of float32[4] op=sum; rank 2 sent allreduce of "
+                                "float32[5]") != std::string::npos);
+    // The full description first, then ids: the table again.
+    out.clear();
+    c.Add(0, Allreduce("a", {4}), &out, t0);
+    c.AddCached(1, 0, &out, t0);
+    c.AddCached(2, 0, &out, t0);
+    KR_EXPECT(out.size() == 1u && out[0].error.empty() && !out[0].cached);
+  }
+  {  // a join: the waiting name goes once only the joined rank is missing
+    out.clear();
+    Coordinator c = ThreeRanksWithTwoCachedNames();
+    c.AddCached(0, 0, &out, t0);
+    c.AddCached(1, 0, &out, t0);
+    c.Add(2, Join(), &out, t0);
+    KR_EXPECT_EQ(out.size(), 1u);
+    KR_EXPECT(out[0].names == std::vector<std::string>({"a"}) && out[0].send_metas);
+    KR_EXPECT(out[0].error.empty());
+    // While rank 2 is joined, ids take the table's path too.
+    out.clear();
+    c.AddCached(0, 1, &out, t0);
+    c.AddCached(1, 1, &out, t0);
+    KR_EXPECT(out.size() == 1u && out[0].send_metas && out[0].error.empty());
+  }
+  {  // stalls are reported, and fail, like those of names in the table
+    out.clear();
+    Coordinator c = ThreeRanksWithTwoCachedNames();
+    c.AddCached(0, 0, &out, t0);
+    c.AddCached(2, 0, &out, t0);
+    c.AddCached(0, 1, &out, t0 + seconds(25));
+    KR_EXPECT(c.StallReports(t0 + seconds(59), seconds(60)).empty());
+    auto reports = c.StallReports(t0 + seconds(61), seconds(60));
+    KR_EXPECT_EQ(reports.size(), 2u);
+    KR_EXPECT(reports[0].find("ranks [0] have been waiting 36 s for ranks [1, 2] to submit "
+                              "tensor 'b'") == 0);
+    KR_EXPECT(reports[1].find("ranks [0, 2] have been waiting 61 s for ranks [1] to submit "
+                              "tensor 'a' (allreduce of float32[4]") == 0);
+    c.AddCached(1, 1, &out, t0 + seconds(62));  // moved: the table completes it
+    c.AddCached(2, 1, &out, t0 + seconds(62));
+    c.FailStalled(t0 + seconds(200), seconds(100), &out);
+    KR_EXPECT_EQ(out.size(), 2u);
+    KR_EXPECT(out[0].names[0] == "b" && out[0].error.empty());
+    KR_EXPECT(out[1].names[0] == "a" && out[1].status == KR_ABORTED);
+    KR_EXPECT(!c.HasWaiting());
+    // Only stall checks that are due move names.
+    out.clear();
+    c.AddCached(0, 0, &out, t0 + seconds(300));
+    c.FailStalled(t0 + seconds(350), seconds(100), &out);
+    c.AddCached(1, 0, &out, t0 + seconds(350));
+    c.AddCached(2, 0, &out, t0 + seconds(350));
+    KR_EXPECT(out.size() == 1u && out[0].cached);
+  }
+}
+
 KR_TEST(JoinedRanksCountAsPresentUntilEveryRankHasJoined) {
   Coordinator c(3);
   std::vector<Response> out;
