@@ -58,6 +58,12 @@ def test_a_rank_that_exits_fails_the_others_instead_of_hanging(run_ranks, np_):
     for rank in [0] + list(range(2, np_)):
         assert f"rank {rank} error: keras-ring: rank 1 shut down" in result.stdout, result.stdout
         assert "'never.joined'" in result.stdout
+        # Submitted after the engine stopped: refused, naming the rank.
+        assert (
+            f"rank {rank} later: keras-ring: rank 1 shut down (shutdown() or its process "
+            "exiting), which stops the engine of every rank; init() starts it again (tensor "
+            "'after.stop')"
+        ) in result.stdout, result.stdout
     assert "completed without rank 1" not in result.stdout
 
 

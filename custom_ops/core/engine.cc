@@ -28,15 +28,21 @@ constexpr int kTagReady = 1;
 constexpr int kTagResponse = 2;
 constexpr int kCoordinator = 0;
 
-// While requests are in flight the loop polls MPI; it spins (yielding) for a
-// few idle passes, then sleeps with a backoff capped at kMaxPollSleep. With no
-// request in flight it sleeps until one arrives: an idle engine costs nothing.
-constexpr int kSpinPasses = 32;
+// After its last progress (a submission taken, a response run) the loop keeps
+// polling without sleeping for kSpinTime, yielding the core between passes:
+// the next submission or the coordinator's answer usually comes within
+// microseconds, and waking a sleeping thread costs more than that (measured:
+// docs/performance.md). Then, with requests in flight, it sleeps between
+// polls for as long as it has been idle past kSpinTime (a geometric backoff),
+// at most kMaxPollSleep; with none in flight it sleeps until one arrives, so
+// an idle engine costs nothing.
+constexpr auto kSpinTime = std::chrono::microseconds(50);
+constexpr auto kMinPollSleep = std::chrono::microseconds(10);
 constexpr auto kMaxPollSleep = std::chrono::microseconds(1000);
 
-std::chrono::microseconds PollSleep(int idle_passes) {
-  int doublings = std::min(idle_passes - kSpinPasses, 7);
-  return std::min(kMaxPollSleep, std::chrono::microseconds(10) * (1 << doublings));
+std::chrono::steady_clock::duration PollSleep(std::chrono::steady_clock::duration idle) {
+  return std::clamp<std::chrono::steady_clock::duration>(idle - kSpinTime, kMinPollSleep,
+                                                         kMaxPollSleep);
 }
 
 size_t ElementCount(const std::vector<int64_t>& shape, size_t first = 0) {
@@ -314,6 +320,7 @@ kr_status Engine::Shutdown(std::string* error) {
   timeline_.Stop();
   std::lock_guard<std::mutex> lock(mu_);
   running_ = false;
+  stopped_ = {};
   for (auto& [id, set] : sets_) {
     if (id != 0 && set.comm != MPI_COMM_NULL) MPI_Comm_free(&set.comm);
     if (set.cross_comm != MPI_COMM_NULL) MPI_Comm_free(&set.cross_comm);
@@ -406,6 +413,10 @@ kr_status Engine::Enqueue(const kr_request& r) {
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!stopped_.second.empty()) {
+      // The engine stopped by itself: say why, until shutdown() or init().
+      return refuse(stopped_.first, stopped_.second + " (tensor '" + name + "')");
+    }
     if (!running_ || shutdown_requested_) {
       return refuse(KR_NOT_INITIALIZED, "keras-ring is not initialised (call init() first) "
                                         "or has been shut down; tensor '" + name + "'");
@@ -491,29 +502,34 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
 }
 
 void Engine::Loop() {
-  int idle_passes = 0;
+  auto last_progress = std::chrono::steady_clock::now();
+  std::string stopped = "keras-ring has been shut down";
   try {
     for (;;) {
       std::deque<Request> fresh;
-      bool shutdown;
+      bool shutdown, spinning;
       {
         std::unique_lock<std::mutex> lock(mu_);
         auto has_news = [&] { return !queue_.empty() || (shutdown_requested_ && !shutdown_sent_); };
         bool in_flight = InFlight() || shutdown_sent_ || !sends_.empty() || CoordinatorBusy();
-        if (!in_flight && coordinating_) {
+        const auto idle = std::chrono::steady_clock::now() - last_progress;
+        spinning = idle < kSpinTime;
+        if (spinning || has_news()) {
+          // Poll again at once.
+        } else if (!in_flight && coordinating_) {
           // Idle, the coordinator still looks for stalls and for other ranks'
           // shutdowns once a second, and more often for sets it is not in,
           // whose members may need it while it has nothing of its own to do.
           cv_.wait_for(lock, OutsideASet() ? kOutsideSetPoll : kStallTick, has_news);
         } else if (!in_flight) {
           cv_.wait(lock, has_news);
-        } else if (idle_passes > kSpinPasses && !has_news()) {
-          cv_.wait_for(lock, PollSleep(idle_passes), has_news);
+        } else {
+          cv_.wait_for(lock, PollSleep(idle), has_news);
         }
         fresh.swap(queue_);
         shutdown = shutdown_requested_;
       }
-      if (idle_passes > 0 && idle_passes <= kSpinPasses) std::this_thread::yield();
+      if (spinning && fresh.empty()) std::this_thread::yield();
 
       bool progress = !fresh.empty();
       std::unordered_map<int32_t, ReadyList> ready;
@@ -529,7 +545,14 @@ void Engine::Loop() {
       if (got) {
         progress = true;
         Execute(list);
-        if (list.shutdown_rank >= 0) break;
+        if (list.shutdown_rank >= 0) {
+          if (list.shutdown_rank != topology_.rank) {
+            stopped = "keras-ring: rank " + std::to_string(list.shutdown_rank) +
+                      " shut down (shutdown() or its process exiting), which stops the engine "
+                      "of every rank; init() starts it again";
+          }
+          break;
+        }
       }
       if (progress && timeline_.mark_cycles()) {
         timeline_.Mark("CYCLE", Timeline::Clock::now(),
@@ -537,7 +560,7 @@ void Engine::Loop() {
                            "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
                            std::to_string(got ? list.responses.size() : 0)));
       }
-      idle_passes = progress ? 0 : idle_passes + 1;
+      if (progress) last_progress = std::chrono::steady_clock::now();
     }
     // Every rank sends the coordinator exactly one shutdown message (its own
     // request, or this acknowledgement) and the coordinator waits for all of
@@ -553,7 +576,7 @@ void Engine::Loop() {
     }
     for (auto& send : sends_) CheckMpi(MPI_Wait(&send.first, MPI_STATUS_IGNORE), "MPI_Wait");
     sends_.clear();
-    StopAccepting(KR_NOT_INITIALIZED, "keras-ring has been shut down");
+    StopAccepting(KR_NOT_INITIALIZED, stopped);
   } catch (const std::exception& e) {
     // The ranks can no longer be assumed to be in step: fail everything, tell
     // the others, and refuse new work until shutdown() (which returns at
@@ -611,6 +634,7 @@ void Engine::Abandon(const std::string& reason) {
 void Engine::StopAccepting(kr_status status, const std::string& message) {
   std::lock_guard<std::mutex> lock(mu_);
   running_ = false;
+  stopped_ = {status, message};
   for (auto& req : queue_) req.Complete(status, message + " (tensor '" + req.meta.name + "')");
   queue_.clear();
 }
@@ -627,11 +651,12 @@ void Engine::AddToCoordinator(int world_rank, ReadyList list) {
                std::to_string(list.process_set) + ", which it is not in");
   const int rank = static_cast<int>(pos - set.ranks.begin());
   const size_t first_new = decided_.size();
+  const auto now = Coordinator::Clock::now();
   for (auto& item : list.items) {
     if (item.cache_id >= 0) {
-      set.coordinator->AddCached(rank, item.cache_id, &decided_);
+      set.coordinator->AddCached(rank, item.cache_id, &decided_, now);
     } else {
-      set.coordinator->Add(rank, std::move(item.meta), &decided_);
+      set.coordinator->Add(rank, std::move(item.meta), &decided_, now);
     }
   }
   for (size_t i = first_new; i < decided_.size(); ++i) decided_[i].process_set = list.process_set;

@@ -160,6 +160,9 @@ class Engine {
   std::deque<Request> queue_;
   bool shutdown_requested_ = false;
   bool running_ = false;
+  // Why the loop stopped by itself (another rank shut down, or the engine
+  // failed), which refusals report until shutdown() or init(); empty: it did not.
+  std::pair<kr_status, std::string> stopped_{KR_OK, ""};
   // Copies of each set's world ranks, for framework threads.
   std::unordered_map<int32_t, std::vector<int>> set_ranks_;
   uint64_t control_calls_ = 0;  // names internal requests alike on every rank

@@ -1,6 +1,7 @@
 """Rank 1 exits at once; every other rank is waiting in an allreduce it never joins.
 
-The waiting ranks must fail with an error that names rank 1, not hang.
+The waiting ranks must fail with an error that names rank 1, not hang; so must
+what they submit after their engines stopped.
 """
 
 import sys
@@ -17,5 +18,10 @@ try:
     _engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), "never.joined").wait()
 except RuntimeError as e:
     print(f"rank {kr.rank()} error: {e}", flush=True)
+    rank = kr.rank()
+    try:
+        _engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), "after.stop").wait()
+    except RuntimeError as later:
+        print(f"rank {rank} later: {later}", flush=True)
     sys.exit(4)
 print(f"rank {kr.rank()}: allreduce completed without rank 1", flush=True)
