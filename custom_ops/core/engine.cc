@@ -28,21 +28,15 @@ constexpr int kTagReady = 1;
 constexpr int kTagResponse = 2;
 constexpr int kCoordinator = 0;
 
-// After its last progress (a submission taken, a response run) the loop keeps
-// polling without sleeping for kSpinTime, yielding the core between passes:
-// the next submission or the coordinator's answer usually comes within
-// microseconds, and waking a sleeping thread costs more than that (measured:
-// docs/performance.md). Then, with requests in flight, it sleeps between
-// polls for as long as it has been idle past kSpinTime (a geometric backoff),
-// at most kMaxPollSleep; with none in flight it sleeps until one arrives, so
-// an idle engine costs nothing.
-constexpr auto kSpinTime = std::chrono::microseconds(50);
-constexpr auto kMinPollSleep = std::chrono::microseconds(10);
+// While requests are in flight the loop polls MPI; it spins (yielding) for a
+// few idle passes, then sleeps with a backoff capped at kMaxPollSleep. With no
+// request in flight it sleeps until one arrives: an idle engine costs nothing.
+constexpr int kSpinPasses = 32;
 constexpr auto kMaxPollSleep = std::chrono::microseconds(1000);
 
-std::chrono::steady_clock::duration PollSleep(std::chrono::steady_clock::duration idle) {
-  return std::clamp<std::chrono::steady_clock::duration>(idle - kSpinTime, kMinPollSleep,
-                                                         kMaxPollSleep);
+std::chrono::microseconds PollSleep(int idle_passes) {
+  int doublings = std::min(idle_passes - kSpinPasses, 7);
+  return std::min(kMaxPollSleep, std::chrono::microseconds(10) * (1 << doublings));
 }
 
 size_t ElementCount(const std::vector<int64_t>& shape, size_t first = 0) {
@@ -502,34 +496,30 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
 }
 
 void Engine::Loop() {
-  auto last_progress = std::chrono::steady_clock::now();
+  int idle_passes = 0;
   std::string stopped = "keras-ring has been shut down";
   try {
     for (;;) {
       std::deque<Request> fresh;
-      bool shutdown, spinning;
+      bool shutdown;
       {
         std::unique_lock<std::mutex> lock(mu_);
         auto has_news = [&] { return !queue_.empty() || (shutdown_requested_ && !shutdown_sent_); };
         bool in_flight = InFlight() || shutdown_sent_ || !sends_.empty() || CoordinatorBusy();
-        const auto idle = std::chrono::steady_clock::now() - last_progress;
-        spinning = idle < kSpinTime;
-        if (spinning || has_news()) {
-          // Poll again at once.
-        } else if (!in_flight && coordinating_) {
+        if (!in_flight && coordinating_) {
           // Idle, the coordinator still looks for stalls and for other ranks'
           // shutdowns once a second, and more often for sets it is not in,
           // whose members may need it while it has nothing of its own to do.
           cv_.wait_for(lock, OutsideASet() ? kOutsideSetPoll : kStallTick, has_news);
         } else if (!in_flight) {
           cv_.wait(lock, has_news);
-        } else {
-          cv_.wait_for(lock, PollSleep(idle), has_news);
+        } else if (idle_passes > kSpinPasses && !has_news()) {
+          cv_.wait_for(lock, PollSleep(idle_passes), has_news);
         }
         fresh.swap(queue_);
         shutdown = shutdown_requested_;
       }
-      if (spinning && fresh.empty()) std::this_thread::yield();
+      if (idle_passes > 0 && idle_passes <= kSpinPasses) std::this_thread::yield();
 
       bool progress = !fresh.empty();
       std::unordered_map<int32_t, ReadyList> ready;
@@ -560,7 +550,7 @@ void Engine::Loop() {
                            "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
                            std::to_string(got ? list.responses.size() : 0)));
       }
-      if (progress) last_progress = std::chrono::steady_clock::now();
+      idle_passes = progress ? 0 : idle_passes + 1;
     }
     // Every rank sends the coordinator exactly one shutdown message (its own
     // request, or this acknowledgement) and the coordinator waits for all of
