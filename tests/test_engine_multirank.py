@@ -68,6 +68,19 @@ def test_a_rank_that_exits_fails_the_others_instead_of_hanging(run_ranks, np_):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("start", ["kr", "binding"])
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_job_whose_ranks_all_finish_exits_0_when_one_rank_leaves_first(run_ranks, np_, start):
+    # MPICH's forker interrupts the ranks still running when one exits
+    # without MPI_Finalize: the engine's exit hook must finalize it.
+    worker = os.path.join(os.path.dirname(__file__), "workers", "finished_job_worker.py")
+    result = run_ranks(np_, worker, start, timeout=120, env={"KERAS_RING_FUSION_THRESHOLD": "0"})
+    for rank in range(np_):
+        assert f"rank {rank}: done" in result.stdout, result.stdout
+    assert "signal" not in result.stdout, result.stdout
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("np_", [2, 3])
 def test_a_stalled_tensor_is_reported_then_fails_on_the_waiting_ranks(run_ranks, np_):
     worker = os.path.join(os.path.dirname(__file__), "workers", "stall_worker.py")
