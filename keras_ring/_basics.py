@@ -5,7 +5,6 @@ loaded on first use: `import keras_ring` imports neither TensorFlow nor MPI,
 so the launcher starts fast and can explain a missing MPI itself.
 """
 
-import atexit
 import importlib
 import os
 import sys
@@ -15,7 +14,6 @@ from keras_ring import _launcher, _mpi_env
 
 _lock = threading.Lock()
 _topology = None
-_exit_hook_registered = False
 
 
 def _engine():
@@ -104,7 +102,7 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
     print(f"rank {kr.rank()} of {kr.size()}")
     ```
     """
-    global _topology, _exit_hook_registered
+    global _topology
     if comm is not None:
         raise ValueError(
             "keras-ring: init(comm=...) is not supported yet; keras-ring uses the whole "
@@ -142,9 +140,6 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
         _topology = topology
         if topology["size"] > 1:
             _line_buffer_output()
-        if not _exit_hook_registered:
-            atexit.register(_at_exit)
-            _exit_hook_registered = True
     from keras_ring import timeline
 
     timeline._start_from_environment()
@@ -176,13 +171,6 @@ def shutdown():
         _topology = None
         if "keras_ring._process_sets" in sys.modules:
             sys.modules["keras_ring._process_sets"]._forget_all()
-
-
-def _at_exit():
-    # MPI_Finalize is collective and must run in the thread that started MPI:
-    # the main thread, at interpreter exit.
-    shutdown()
-    _engine().finalize()
 
 
 def is_initialized():

@@ -153,7 +153,10 @@ KR_API kr_status kr_init(char* err, size_t err_len);
  * stopped (each rank must call it, or exit, before it can init again).
  * kr_init may be called again. */
 KR_API kr_status kr_shutdown(char* err, size_t err_len);
-/* Finalizes MPI if kr_init started it. Called once at process exit. */
+/* Shuts the engine down (kr_shutdown), then finalizes MPI if kr_init
+ * started it. Called once at process exit, from the thread that called
+ * kr_init: MPICH's launchers take a rank that exits without MPI_Finalize
+ * for a failed one and interrupt the others. */
 KR_API void kr_finalize(void);
 KR_API int kr_is_initialized(void);
 KR_API kr_status kr_get_topology(kr_topology* out);

@@ -227,6 +227,19 @@ PYBIND11_MODULE(_engine, m) {
       s = kr_init(err, sizeof(err));
     }
     Check(s, err);
+    // MPICH's launchers take a rank that exits without MPI_Finalize for a
+    // failed one (the forker interrupts every rank still running), so
+    // whoever starts the engine finalizes at exit: from Python's atexit, in
+    // the main thread that started MPI, while the callbacks of requests still
+    // pending can take the GIL.
+    static bool exit_hook_registered = false;
+    if (!exit_hook_registered) {
+      py::module_::import("atexit").attr("register")(py::cpp_function([] {
+        py::gil_scoped_release release;
+        kr_finalize();
+      }));
+      exit_hook_registered = true;
+    }
   });
   m.def("shutdown", [] {
     char err[2048] = {0};
@@ -236,10 +249,6 @@ PYBIND11_MODULE(_engine, m) {
       s = kr_shutdown(err, sizeof(err));
     }
     Check(s, err);
-  });
-  m.def("finalize", [] {
-    py::gil_scoped_release release;
-    kr_finalize();
   });
   m.def("is_initialized", [] { return kr_is_initialized() != 0; });
   m.def("topology", [] {
