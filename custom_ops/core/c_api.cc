@@ -58,6 +58,8 @@ kr_status kr_enqueue(const kr_request* request) {
 
 void kr_get_stats(kr_stats* out) { *out = Engine::Get().stats(); }
 
+void kr_get_parameters(kr_parameters* out) { *out = Engine::Get().parameters(); }
+
 kr_status kr_start_timeline(const char* file_path, int mark_cycles, char* err, size_t err_len) {
   if (!file_path || !*file_path) {
     return WithError(KR_INVALID_ARGUMENT, "keras-ring: start_timeline needs a file path", err,

@@ -173,6 +173,17 @@ KR_API kr_status kr_remove_process_set(int32_t id, char* err, size_t err_len);
  * set's size, or -1 if there is no such set. */
 KR_API int kr_process_set_ranks(int32_t id, int* ranks, int max_ranks);
 KR_API void kr_get_stats(kr_stats* out);
+
+/* The performance settings in use: from the environment, then as the
+ * autotuner (KERAS_RING_AUTOTUNE=1) changes them, the same on every rank. */
+typedef struct kr_parameters {
+  uint64_t fusion_threshold;      /* bytes */
+  double cycle_time_ms;
+  uint64_t segment_bytes;         /* 0: the engine's choice */
+  uint64_t small_allreduce_bytes;
+  int autotune;                   /* 0: off, 1: tuning, 2: tuned */
+} kr_parameters;
+KR_API void kr_get_parameters(kr_parameters* out);
 /* Records this rank's timeline into file_path (created or truncated): Chrome
  * trace event JSON, one row per tensor, valid even if the process dies while
  * recording. mark_cycles != 0 adds a mark for every engine cycle that did

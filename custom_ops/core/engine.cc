@@ -61,6 +61,8 @@ constexpr size_t kDefaultSmallAllreduceBytes = size_t(64) << 10;
 // larger rounds win.
 constexpr size_t kShmSlotBytes = size_t(256) << 10;
 constexpr size_t kShmSlotBytesOversubscribed = size_t(4) << 20;
+// The largest round the autotuner tries.
+constexpr size_t kShmSlotBytesAutotune = size_t(4) << 20;
 
 // CPUs this process may run on.
 int UsableCpus() {
@@ -153,7 +155,16 @@ MPI_Comm SplitByHost(MPI_Comm comm, int key) {
 }
 
 unsigned long long ParseCount(const char* text, char** end) { return std::strtoull(text, end, 10); }
-double ParseSeconds(const char* text, char** end) { return std::strtod(text, end); }
+
+// A setting that is free text (a path): the first of `names` that is set.
+std::string TextSetting(std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    const char* text = std::getenv(name);
+    if (text && *text) return text;
+  }
+  return "";
+}
+double ParseDouble(const char* text, char** end) { return std::strtod(text, end); }
 
 std::chrono::steady_clock::duration Seconds(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -185,15 +196,30 @@ kr_status Engine::Init(std::string* error) {
   }
   try {
     ConfigureLog();
-    fusion_threshold_ = Setting<unsigned long long>(
+    TunedParams params;
+    params.fusion_threshold = Setting<unsigned long long>(
         {"KERAS_RING_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"}, kDefaultFusionThreshold,
         "a number of bytes", ParseCount);
+    params.cycle_time_ms = Setting<double>({"KERAS_RING_CYCLE_TIME", "HOROVOD_CYCLE_TIME"}, 0.0,
+                                           "a number of milliseconds", ParseDouble);
+    params.segment_bytes = Setting<unsigned long long>(
+        {"KERAS_RING_SEGMENT_BYTES"}, 0, "a number of bytes (0: chosen by the engine)", ParseCount);
+    params.small_allreduce_bytes = Setting<unsigned long long>(
+        {"KERAS_RING_SMALL_ALLREDUCE_BYTES"}, kDefaultSmallAllreduceBytes, "a number of bytes",
+        ParseCount);
+    autotune_ = Setting<unsigned long long>({"KERAS_RING_AUTOTUNE", "HOROVOD_AUTOTUNE"}, 0,
+                                            "0 or 1", ParseCount) != 0;
+    autotune_options_ = AutotuneOptions();
+    autotune_options_.log_path = TextSetting({"KERAS_RING_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"});
+    autotune_options_.warmup_samples = static_cast<int>(Setting<unsigned long long>(
+        {"KERAS_RING_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"},
+        autotune_options_.warmup_samples, "a number of samples", ParseCount));
+    autotune_options_.steps_per_sample = static_cast<int>(Setting<unsigned long long>(
+        {"KERAS_RING_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"},
+        autotune_options_.steps_per_sample, "a number of steps", ParseCount));
     stall_check_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"},
-        kDefaultStallCheckSeconds, "a number of seconds", ParseSeconds));
-    cycle_time_ = Seconds(Setting<double>({"KERAS_RING_CYCLE_TIME", "HOROVOD_CYCLE_TIME"}, 0.0,
-                                          "a number of milliseconds", ParseSeconds) /
-                          1000.0);
+        kDefaultStallCheckSeconds, "a number of seconds", ParseDouble));
     cache_capacity_ = Setting<unsigned long long>(
         {"KERAS_RING_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"}, kDefaultCacheCapacity,
         "a number of tensor names", ParseCount);
@@ -201,15 +227,12 @@ kr_status Engine::Init(std::string* error) {
     hierarchical_ = Setting<unsigned long long>(
         {"KERAS_RING_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"}, 1, "0 or 1",
         ParseCount);
-    small_allreduce_bytes_ = Setting<unsigned long long>(
-        {"KERAS_RING_SMALL_ALLREDUCE_BYTES"}, kDefaultSmallAllreduceBytes, "a number of bytes",
-        ParseCount);
     shm_slot_bytes_ = Setting<unsigned long long>({"KERAS_RING_SHM_SLOT_BYTES"}, 0,
                                                   "a number of bytes (0: chosen by the engine)",
                                                   ParseCount);
     stall_shutdown_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"}, 0.0,
-        "a number of seconds", ParseSeconds));
+        "a number of seconds", ParseDouble));
     UseKernelLevel(Setting<KernelLevel>({"KERAS_RING_CPU_KERNELS"}, BestKernelLevel(),
                                         "generic, avx2 or avx512", ParseKernelLevel));
     int finalized = 0;
@@ -262,7 +285,11 @@ kr_status Engine::Init(std::string* error) {
     SetLogRank(t.rank);
     // Alone, a collective is a copy at most: packing a fusion buffer would
     // only add two more.
-    if (t.size == 1) fusion_threshold_ = 0;
+    if (t.size == 1) {
+      params.fusion_threshold = 0;
+      autotune_ = false;  // nothing to tune
+    }
+    params_ = params;
   } catch (const EngineError& e) {
     SetError(error, e.what());
     return KR_INTERNAL;
@@ -283,6 +310,20 @@ kr_status Engine::Init(std::string* error) {
     SetError(error, e.what());
     return KR_INTERNAL;
   }
+  autotuner_.reset();
+  autotune_done_ = false;
+  params_changed_ = false;
+  if (autotune_ && coordinating_) {
+    // The crossover matters only where allreduces can go over MPI.
+    autotune_options_.tune_small_allreduce =
+        !world.shm || world.shm_oversubscribed || world.cross != nullptr;
+    try {
+      autotuner_ = std::make_unique<Autotuner>(params_, autotune_options_);
+    } catch (const EngineError& e) {
+      SetError(error, e.what());
+      return KR_INTERNAL;
+    }
+  }
   set_ranks_ = {{0, world.ranks}};
   decided_.clear();
   decided_since_ = {};
@@ -291,16 +332,40 @@ kr_status Engine::Init(std::string* error) {
   shutdown_sent_ = false;
   running_ = true;
   thread_ = std::thread(&Engine::Loop, this);
-  if (LogEnabled(LogLevel::kInfo)) {
-    char cycle[32];
-    std::snprintf(cycle, sizeof cycle, "%g",
-                  std::chrono::duration<double, std::milli>(cycle_time_).count());
-    Log(LogLevel::kInfo, "engine started: rank " + std::to_string(topology_.rank) + " of " +
-                             std::to_string(topology_.size) + ", fusion threshold " +
-                             std::to_string(fusion_threshold_) + " bytes, cycle time " + cycle +
-                             " ms, cache capacity " + std::to_string(cache_capacity_));
-  }
+  KR_LOG(kInfo, "engine started: rank " + std::to_string(topology_.rank) + " of " +
+                    std::to_string(topology_.size) + ", " + params_.Describe() +
+                    ", cache capacity " + std::to_string(cache_capacity_) +
+                    (autotune_ ? ", autotuning" : ""));
   return KR_OK;
+}
+
+kr_parameters Engine::parameters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {params_.fusion_threshold, params_.cycle_time_ms, params_.segment_bytes,
+          params_.small_allreduce_bytes, autotune_ ? 1 + autotune_done_ : 0};
+}
+
+void Engine::Apply(const TunedParams& params, bool tuned) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    params_ = params;
+    autotune_done_ = tuned;
+  }
+  KR_LOG(kDebug, "autotune: trying " + params.Describe());
+  if (tuned) KR_LOG(kInfo, "autotune chose " + params.Describe());
+}
+
+void Engine::Tune(const ResponseList& list) {
+  std::vector<const std::string*> names;
+  uint64_t bytes = 0;
+  for (const Response& resp : list.responses) {
+    // The sets this rank is in (their cached names were looked up in Execute).
+    auto found = sets_.find(resp.process_set);
+    if (found == sets_.end() || found->second.rank < 0 || !resp.error.empty()) continue;
+    for (const std::string& name : resp.names) names.push_back(&name);
+    bytes += resp.bytes;
+  }
+  if (autotuner_->Observe(names, bytes, Autotuner::Clock::now())) params_changed_ = true;
 }
 
 kr_status Engine::Shutdown(std::string* error) {
@@ -535,6 +600,7 @@ void Engine::Loop() {
       if (got) {
         progress = true;
         Execute(list);
+        if (autotuner_ && !autotuner_->done()) Tune(list);
         if (list.shutdown_rank >= 0) {
           if (list.shutdown_rank != topology_.rank) {
             stopped = "keras-ring: rank " + std::to_string(list.shutdown_rank) +
@@ -714,12 +780,18 @@ bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   // that become ready just after them share their fused collective.
   size_t decided_bytes = 0;
   for (const Response& r : decided_) decided_bytes += r.bytes;
-  if (out->shutdown_rank < 0 && now - decided_since_ < cycle_time_ &&
-      decided_bytes < fusion_threshold_) {
+  const auto cycle_time = std::chrono::duration<double, std::milli>(params_.cycle_time_ms);
+  if (out->shutdown_rank < 0 && now - decided_since_ < cycle_time &&
+      decided_bytes < params_.fusion_threshold) {
     return false;
   }
   decided_since_ = Coordinator::Clock::time_point();
-  out->responses = Fuse(std::move(decided_), fusion_threshold_);
+  out->responses = Fuse(std::move(decided_), params_.fusion_threshold);
+  if (params_changed_) {
+    out->params = autotuner_->params();
+    out->tuned = autotuner_->done();
+    params_changed_ = false;
+  }
   decided_.clear();
   out->shutdown_reason = sets_[0].coordinator->ShutdownReason();
   SendResponses(*out);
@@ -730,7 +802,7 @@ void Engine::SendResponses(const ResponseList& list) {
   // To the members of the sets the responses belong to (everyone for a
   // shutdown): a rank outside them has nothing to run, and an idle one would
   // let the messages pile up.
-  std::vector<bool> to(topology_.size, list.shutdown_rank >= 0);
+  std::vector<bool> to(topology_.size, list.shutdown_rank >= 0 || list.params);
   for (const Response& resp : list.responses) {
     auto found = sets_.find(resp.process_set);
     if (found == sets_.end()) continue;
@@ -786,6 +858,7 @@ struct StandIn {
 
 void Engine::Execute(ResponseList& list) {
   received_ = timeline_.Now();
+  if (list.params) Apply(*list.params, list.tuned);
   for (Response& resp : list.responses) {
     auto found = sets_.find(resp.process_set);
     // A list may mix sets: run those this rank is in (a removed set has
@@ -977,7 +1050,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   // that are not running; MPI's recursive doubling is faster for small ones
   // (measured: 3 ranks on 2 cores, 4 KiB: 0.07 ms against 0.62 ms).
   const bool small =
-      set.shm_oversubscribed && total * DataTypeSize(m.wire_dtype) <= small_allreduce_bytes_;
+      set.shm_oversubscribed && total * DataTypeSize(m.wire_dtype) <= params_.small_allreduce_bytes;
   if (set.shm && !small) {
     // Inputs are copied straight into shared memory and results straight
     // out of it: no packing, fused or not.
@@ -991,6 +1064,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
     o.op = m.op;
     o.prescale_factor = m.prescale_factor;
     o.postscale_factor = m.postscale_factor;
+    o.round_bytes = params_.segment_bytes ? params_.segment_bytes : set.shm_round_bytes;
     if (set.cross) {
       // Hierarchical: each local rank's reduced block is reduced across
       // hosts with the ranks of the same local rank, then shared locally.
@@ -1001,7 +1075,8 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
         cross.count = count;
         cross.dtype = m.wire_dtype;
         cross.op = o.op;
-        cross.small_bytes = small_allreduce_bytes_;
+        cross.small_bytes = params_.small_allreduce_bytes;
+        if (params_.segment_bytes) cross.segment_bytes = params_.segment_bytes;
         Allreduce(*set.cross, cross);
       };
     }
@@ -1016,7 +1091,8 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   o.op = m.op;
   o.prescale_factor = m.prescale_factor;
   o.postscale_factor = m.postscale_factor;
-  o.small_bytes = small_allreduce_bytes_;
+  o.small_bytes = params_.small_allreduce_bytes;
+  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
   if (requests.size() == 1 && m.wire_dtype == m.dtype) {
     const Request& req = requests[0];
     o.count = total;
@@ -1097,6 +1173,7 @@ bool Engine::RunAllgather(ProcessSet& set, const Request& req, const Response& r
   std::vector<char> scratch;
   bool failed;
   o.output = AllocateOutput(req, out_shape, &scratch, &failed);
+  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
   RingAllgather(*set.transport, o);
   return !failed;
 }
@@ -1119,6 +1196,7 @@ bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
   o.op = m.op;
   o.prescale_factor = m.prescale_factor;
   o.postscale_factor = m.postscale_factor;
+  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
   RingReduceScatter(*set.transport, o);
   std::vector<int64_t> out_shape = m.shape;
   out_shape[0] = rows(r);
@@ -1218,6 +1296,12 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
   if (slot_bytes == 0) slot_bytes = oversubscribed ? kShmSlotBytesOversubscribed : kShmSlotBytes;
   CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &slot_bytes, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, set.comm),
            "MPI_Allreduce (shared memory)");
+  // Rounds are a slot unless KERAS_RING_SEGMENT_BYTES or the autotuner
+  // asks for smaller ones; the slots are made large enough for what they
+  // may ask.
+  set.shm_round_bytes = slot_bytes;
+  slot_bytes = std::max<unsigned long long>(
+      {slot_bytes, params_.segment_bytes, autotune_ ? kShmSlotBytesAutotune : 0});
   std::vector<int> local_world(local_size);
   CheckMpi(MPI_Bcast(key, sizeof key, MPI_CHAR, 0, local), "MPI_Bcast (shared memory)");
   CheckMpi(MPI_Allgather(&topology_.rank, 1, MPI_INT, local_world.data(), 1, MPI_INT, local),

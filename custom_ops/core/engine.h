@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "autotune.h"
 #include "c_api.h"
 #include "common.h"
 #include "negotiation.h"
@@ -54,6 +55,7 @@ struct ProcessSet {
   // set spans hosts (hierarchical), `cross` links this member with those of
   // the same local rank on the other hosts.
   std::unique_ptr<ShmGroup> shm;
+  size_t shm_round_bytes = 0;  // the round size the engine chose (the slot may be larger)
   // A host has more of the set's ranks than cores: small allreduces go over
   // MPI instead (the same on every member).
   bool shm_oversubscribed = false;
@@ -87,6 +89,7 @@ class Engine {
             stats_.fused_tensors.load(),   stats_.cached_tensors.load(),
             stats_.shm_collectives.load(), stats_.hierarchical_collectives.load()};
   }
+  kr_parameters parameters() const;
   // Validates and queues; on refusal calls done itself and returns the status.
   kr_status Enqueue(const kr_request& request);
   // Agreed with every rank like a collective of the whole job; blocking.
@@ -147,6 +150,10 @@ class Engine {
   bool CoordinatorBusy() const;
   bool OutsideASet() const;  // rank 0 coordinates a set it is not in
   void SendResponses(const ResponseList& list);
+  // Rank 0, after running a list: feeds the autotuner.
+  void Tune(const ResponseList& list);
+  // Every rank, before running a list that carries new settings.
+  void Apply(const TunedParams& params, bool tuned);
   // After an engine failure: tells the other ranks this one has stopped.
   void Abandon(const std::string& reason);
   void FailAll(kr_status status, const std::string& message);
@@ -177,14 +184,19 @@ class Engine {
   std::chrono::steady_clock::time_point decided_since_;  // when decided_ became non-empty
   // Control messages in flight with the bytes they send from.
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
-  size_t fusion_threshold_ = 0;
+  // The settings the autotuner may change; written under mu_ (read by
+  // parameters()), read without it by the background thread.
+  TunedParams params_;
+  std::unique_ptr<Autotuner> autotuner_;  // rank 0, while KERAS_RING_AUTOTUNE tunes
+  AutotuneOptions autotune_options_;
+  bool autotune_ = false;
+  bool autotune_done_ = false;
+  bool params_changed_ = false;  // rank 0: to send with the next response list
   size_t cache_capacity_ = 0;
   bool shared_memory_ = true;
   bool hierarchical_ = true;
   size_t shm_slot_bytes_ = 0;
-  size_t small_allreduce_bytes_ = 0;
   std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
-  std::chrono::steady_clock::duration cycle_time_{};  // 0: send agreed tensors at once
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective
   Timeline timeline_;
   Timeline::Clock::time_point received_;  // when the response list being run arrived

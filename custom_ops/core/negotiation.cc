@@ -166,6 +166,13 @@ std::vector<char> SerializeResponses(const ResponseList& list) {
   Writer w;
   w.Put<int32_t>(list.shutdown_rank);
   w.PutString(list.shutdown_reason);
+  w.Put<uint8_t>(list.params ? 1 + list.tuned : 0);
+  if (list.params) {
+    w.Put(list.params->fusion_threshold);
+    w.Put(list.params->cycle_time_ms);
+    w.Put(list.params->segment_bytes);
+    w.Put(list.params->small_allreduce_bytes);
+  }
   w.Put<uint64_t>(list.responses.size());
   for (const auto& resp : list.responses) {
     w.Put<int32_t>(resp.process_set);
@@ -191,6 +198,15 @@ ResponseList DeserializeResponses(const std::vector<char>& bytes) {
   ResponseList list;
   list.shutdown_rank = r.Get<int32_t>();
   list.shutdown_reason = r.GetString();
+  if (const uint8_t params = r.Get<uint8_t>()) {
+    TunedParams p;
+    p.fusion_threshold = r.Get<uint64_t>();
+    p.cycle_time_ms = r.Get<double>();
+    p.segment_bytes = r.Get<uint64_t>();
+    p.small_allreduce_bytes = r.Get<uint64_t>();
+    list.params = p;
+    list.tuned = params == 2;
+  }
   list.responses.resize(r.Get<uint64_t>());
   for (auto& resp : list.responses) {
     resp.process_set = r.Get<int32_t>();

@@ -20,12 +20,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
+#include "autotune.h"
 #include "common.h"
 
 namespace keras_ring {
@@ -92,6 +94,10 @@ struct ResponseList {
   // what is still pending fails on every rank. -1: no shutdown.
   int shutdown_rank = -1;
   std::string shutdown_reason;  // why, if its engine failed
+  // Settings every rank adopts before running these responses (autotuning);
+  // `tuned`: they are final.
+  std::optional<TunedParams> params;
+  bool tuned = false;
 };
 
 // What one rank tells the coordinator in one message.

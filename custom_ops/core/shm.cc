@@ -252,7 +252,9 @@ void ShmGroup::Allreduce(const ShmAllreduceOptions& o) {
   const int p = size();
   double postscale = o.postscale_factor;
   const ReduceOp op = SumForAverage(o.op, p, &postscale);
-  const size_t per_round = slot_bytes_ / esize;
+  const size_t round_bytes =
+      o.round_bytes ? std::max(kAlign, std::min(o.round_bytes, slot_bytes_)) : slot_bytes_;
+  const size_t per_round = round_bytes / esize;
   const size_t align = kAlign / esize;
   for (size_t begin = 0; begin < total; begin += per_round) {
     const uint64_t round = step_ / 2;

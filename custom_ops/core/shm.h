@@ -55,8 +55,11 @@ struct ShmAllreduceOptions {
   // If set, runs on this rank's reduced block of every round before it is
   // post-scaled and handed to the peers (the hierarchical allreduce reduces
   // it across hosts here). Every rank's blocks are cut alike for the same
-  // total count, slot size and group size.
+  // total count, round size and group size.
   std::function<void(void* block, size_t count)> combine;
+  // Bytes (of the wire dtype) per round; 0 or more than a slot: a slot.
+  // Every rank must pass the same.
+  size_t round_bytes = 0;
 };
 
 class ShmGroup {

@@ -278,6 +278,17 @@ PYBIND11_MODULE(_engine, m) {
     return d;
   }, "Counters since the process started: collectives run, tensors completed, fused tensors, "
      "tensors announced by response-cache id.");
+  m.def("parameters", [] {
+    kr_parameters p;
+    kr_get_parameters(&p);
+    py::dict d;
+    d["fusion_threshold"] = p.fusion_threshold;
+    d["cycle_time_ms"] = p.cycle_time_ms;
+    d["segment_bytes"] = p.segment_bytes;
+    d["small_allreduce_bytes"] = p.small_allreduce_bytes;
+    d["autotune"] = p.autotune == 0 ? "off" : p.autotune == 1 ? "tuning" : "tuned";
+    return d;
+  }, "The performance settings in use (as the autotuner leaves them, the same on every rank).");
   m.def("add_process_set", [](std::vector<int> ranks) {
     char err[2048] = {0};
     int32_t id = -1;

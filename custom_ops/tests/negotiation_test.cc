@@ -212,6 +212,13 @@ KR_TEST(WireFormatRoundTrips) {
   KR_EXPECT_EQ(got.responses[2].process_set, 2);
   KR_EXPECT(got.responses[2].cache_ids == list.responses[2].cache_ids);
   KR_EXPECT(got.responses[2].names == std::vector<std::string>({"", ""}));
+  KR_EXPECT(!got.params && !got.tuned);
+  // Settings from the autotuner travel with the list.
+  list.params = TunedParams{32 << 20, 2.5, 256 << 10, 16 << 10};
+  list.tuned = true;
+  got = DeserializeResponses(SerializeResponses(list));
+  KR_EXPECT(got.params && *got.params == *list.params);
+  KR_EXPECT(got.tuned);
   std::vector<char> truncated = SerializeResponses(list);
   truncated.resize(truncated.size() - 3);
   KR_EXPECT_THROW(DeserializeResponses(truncated), EngineError, "truncated");

@@ -120,7 +120,7 @@ enum class Layout { kInPlace, kSeparate, kSpans };
 
 template <typename D>
 void CheckShmAllreduce(int p, ReduceOp op, size_t count, double pre, double post,
-                       size_t slot_bytes, Layout layout) {
+                       size_t slot_bytes, Layout layout, size_t round_bytes = 0) {
   using S = typename D::Storage;
   std::vector<std::vector<S>> inputs(p), outputs(p);
   for (int r = 0; r < p; ++r) {
@@ -144,12 +144,14 @@ void CheckShmAllreduce(int p, ReduceOp op, size_t count, double pre, double post
     o.op = op;
     o.prescale_factor = pre;
     o.postscale_factor = post;
+    o.round_bytes = round_bytes;
     g.Allreduce(o);
   });
 
   const std::string context = "p=" + std::to_string(p) + " count=" + std::to_string(count) +
                               " pre=" + ToString(pre) + " post=" + ToString(post) +
                               " slot=" + std::to_string(slot_bytes) +
+                              " round=" + std::to_string(round_bytes) +
                               " layout=" + std::to_string(static_cast<int>(layout)) + ": ";
   const auto& result = layout == Layout::kInPlace ? inputs : outputs;
   for (size_t i = 0; i < count; ++i) {
@@ -189,6 +191,10 @@ KR_TEST_CASES(RegisterShmAllreduceTests) {
                    }
                    CheckShmAllreduce<D>(p, op, 65537, pre, post, 4096, Layout::kSpans);
                    CheckShmAllreduce<D>(p, op, 65537, 1.0, 1.0, 1 << 20, Layout::kInPlace);
+                   // Rounds smaller than a slot (not a multiple of a cache
+                   // line), and a round asked larger than the slot.
+                   CheckShmAllreduce<D>(p, op, 65537, pre, post, 1 << 20, Layout::kSpans, 300);
+                   CheckShmAllreduce<D>(p, op, 5001, 1.0, 1.0, 4096, Layout::kSeparate, 1 << 20);
                  });
       }
     }
