@@ -75,13 +75,19 @@ def worker(args):
     total = per_rank * size
     if distributed:
         total = float(kr.allreduce(np.float64(per_rank), op=kr.Sum, name="samples"))
+    result = {"ranks": size, "samples_per_s": total, "samples_per_s_per_rank": total / size}
+    if distributed:
+        from keras_ring import _engine
+
+        result["parameters"] = _engine.parameters()  # the settings in use at the end
     if rank == 0:
-        print(RESULT_PREFIX + json.dumps({"ranks": size, "samples_per_s": total,
-                                          "samples_per_s_per_rank": total / size}), flush=True)
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def run_job(command):
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
+def run_job(command, env=None):
+    """Runs one job (with `env` added to the environment); returns rank 0's result."""
+    out = subprocess.run(command, capture_output=True, text=True, check=False,
+                         env=None if env is None else {**os.environ, **env})
     lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")

@@ -62,7 +62,11 @@ std::string TunedParams::Describe() const {
 }
 
 Autotuner::Autotuner(const TunedParams& initial, const AutotuneOptions& options)
-    : options_(options), params_(initial), best_(initial), warmup_left_(options.warmup_samples) {
+    : options_(options),
+      initial_(initial),
+      params_(initial),
+      best_(initial),
+      warmup_left_(options.warmup_samples) {
   KR_CHECK(options_.steps_per_sample > 0 && options_.samples_per_trial > 0,
            "autotune: steps per sample and samples per trial must be positive");
   order_ = {"fusion_threshold", "cycle_time_ms"};
@@ -108,11 +112,15 @@ bool Autotuner::Observe(const std::vector<const std::string*>& names, uint64_t b
     WriteRow("warmup", seconds, bytes_moved, score);
     return false;
   }
-  WriteRow("trial", seconds, bytes_moved, score);
-  scores_.push_back(score);
-  if (scores_.size() < size_t(options_.samples_per_trial)) return false;
+  WriteRow(confirming_ ? "confirm" : "trial", seconds, bytes_moved, score);
   const TunedParams before = params_;
-  EndTrial();
+  if (confirming_) {
+    Confirm(score);
+  } else {
+    scores_.push_back(score);
+    if (scores_.size() < size_t(options_.samples_per_trial)) return false;
+    EndTrial();
+  }
   return params_ != before || done_;
 }
 
@@ -133,6 +141,37 @@ void Autotuner::EndTrial() {
     StartDimension();
     return;
   }
+  if (best_ == initial_) {
+    Finish();
+    return;
+  }
+  // The search compared values measured at different times: on a machine
+  // whose speed drifts, a later value can win for nothing. Before leaving
+  // the starting values, compare the two in alternating samples.
+  confirming_ = true;
+  params_ = best_;
+}
+
+void Autotuner::Confirm(double score) {
+  const bool on_best = params_ == best_;
+  (on_best ? confirm_best_ : confirm_initial_).push_back(score);
+  if (confirm_initial_.size() < size_t(options_.samples_per_trial)) {
+    params_ = on_best ? initial_ : best_;
+    return;
+  }
+  const double best = Median(confirm_best_), initial = Median(confirm_initial_);
+  trials_.push_back({"confirm", best_, best});
+  trials_.push_back({"confirm", initial_, initial});
+  if (best > initial * (1 + options_.margin)) {
+    best_score_ = best;
+  } else {
+    best_ = initial_;
+    best_score_ = initial;
+  }
+  Finish();
+}
+
+void Autotuner::Finish() {
   params_ = best_;
   done_ = true;
   WriteRow("chosen", 0, 0, best_score_);
@@ -142,7 +181,7 @@ void Autotuner::WriteRow(const char* phase, double seconds, uint64_t bytes, doub
   if (!log_.is_open()) return;
   char row[400];
   std::snprintf(row, sizeof row, "%d,%s,%s,%llu,%g,%llu,%llu,%.6f,%llu,%.6g\n", sample_index_++,
-                phase, done_ ? "" : order_[dimension_],
+                phase, confirming_ || done_ ? "" : order_[dimension_],
                 static_cast<unsigned long long>(params_.fusion_threshold), params_.cycle_time_ms,
                 static_cast<unsigned long long>(params_.segment_bytes),
                 static_cast<unsigned long long>(params_.small_allreduce_bytes), seconds,

@@ -15,8 +15,11 @@
 // the median of `samples_per_trial` samples; a candidate replaces the best
 // one only if it beats it by more than `margin` (noise must not move us off
 // the starting point for nothing). The starting values are always among the
-// candidates, so the result is never worse than them as measured. When every
-// setting has been tried the best values stay for the rest of the run.
+// candidates. Trials run one after another, so a machine whose speed drifts
+// can make a later trial win for nothing: when the search ends away from the
+// starting values, the two are compared once more in alternating samples,
+// and the result is kept only if it still wins by the margin. Then the chosen
+// values stay for the rest of the run.
 //
 // The engine sends every change to all ranks in its next response list, and
 // each rank applies it before running that list, so the settings that every
@@ -84,10 +87,12 @@ class Autotuner {
  private:
   void StartDimension();
   void EndTrial();
+  void Confirm(double score);
+  void Finish();
   void WriteRow(const char* phase, double seconds, uint64_t bytes, double score);
 
   AutotuneOptions options_;
-  TunedParams params_, best_;
+  TunedParams initial_, params_, best_;
   double best_score_ = 0;
   std::vector<const char*> order_;  // names of the settings to tune, in order
   size_t dimension_ = 0;            // index into order_
@@ -95,6 +100,8 @@ class Autotuner {
   size_t candidate_ = 0;
   std::vector<double> scores_;  // of the current trial's samples
   int warmup_left_ = 0;
+  bool confirming_ = false;
+  std::vector<double> confirm_best_, confirm_initial_;
   bool done_ = false;
 
   std::unordered_map<std::string, int> seen_;  // names in the current sample

@@ -72,8 +72,10 @@ KR_TEST(AutotuneFindsTheBestOfEachSettingAndStops) {
   KR_EXPECT_EQ(tuner.params().cycle_time_ms, 1.0);
   KR_EXPECT_EQ(tuner.params().segment_bytes, 256 * KiB);
   KR_EXPECT_EQ(tuner.params().small_allreduce_bytes, 64 * KiB);
-  // Each setting's candidates, the incumbent (measured again) among them.
-  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 5 + 4 + 4));
+  // Each setting's candidates, the incumbent (measured again) among them,
+  // then the result against the start once more.
+  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 5 + 4 + 4 + 2));
+  KR_EXPECT_EQ(tuner.trials().back().setting, std::string("confirm"));
   const TunedParams chosen = tuner.params();
   Train(tuner, 100, Separable);  // done: nothing moves any more
   KR_EXPECT(tuner.params() == chosen);
@@ -109,6 +111,23 @@ KR_TEST(AutotuneKeepsTheStartingValuesUnlessClearlyBeaten) {
   KR_EXPECT(tuner.params() == start);
 }
 
+KR_TEST(AutotuneGoesBackToTheStartWhenOnlyDriftMadeOthersWin) {
+  // Every setting costs the same, but the machine gets faster and faster:
+  // each later trial wins the search, and the alternating comparison at the
+  // end shows it was the drift.
+  TunedParams start;
+  start.fusion_threshold = 64 * MiB;
+  int step = 0;
+  const auto speeding_up = [&](const TunedParams&) { return 0.02 / (1 + 0.01 * step++); };
+  Autotuner tuner(start, Quick());
+  Train(tuner, 2000, speeding_up);
+  KR_EXPECT(tuner.done());
+  const auto& trials = tuner.trials();
+  KR_EXPECT_EQ(trials[trials.size() - 2].setting, std::string("confirm"));
+  KR_EXPECT(!(trials[trials.size() - 2].params == start));  // the search had moved away
+  KR_EXPECT(tuner.params() == start);
+}
+
 KR_TEST(AutotuneLeavesOutSettingsThatCannotMatterAndWritesItsLog) {
   AutotuneOptions o = Quick();
   o.tune_segment = false;
@@ -117,16 +136,19 @@ KR_TEST(AutotuneLeavesOutSettingsThatCannotMatterAndWritesItsLog) {
   Autotuner tuner(TunedParams{}, o);
   Train(tuner, 2000, Separable);
   KR_EXPECT(tuner.done());
-  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 5));
+  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 5 + 2));
   for (const auto& trial : tuner.trials()) {
-    KR_EXPECT(trial.setting == "fusion_threshold" || trial.setting == "cycle_time_ms");
+    KR_EXPECT(trial.setting == "fusion_threshold" || trial.setting == "cycle_time_ms" ||
+              trial.setting == "confirm");
   }
   std::ifstream in(o.log_path);
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(line);
   unlink(o.log_path.c_str());
-  // Header, warm-up samples, three samples per trial, the choice.
+  // Header, warm-up samples, three samples per trial (the confirmation's two
+  // trials alternate), the choice.
   KR_EXPECT_EQ(lines.size(), size_t(1 + 2 + 3 * tuner.trials().size() + 1));
+  KR_EXPECT(lines[lines.size() - 2].find(",confirm,,0,0,") != std::string::npos);
   KR_EXPECT(lines[0].rfind("sample,phase,setting,fusion_threshold_bytes", 0) == 0);
   KR_EXPECT(lines[1].find(",warmup,fusion_threshold,") != std::string::npos);
   KR_EXPECT(lines.back().find(",chosen,,16777216,1,") != std::string::npos);
