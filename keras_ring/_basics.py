@@ -86,7 +86,9 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
 
     `KERAS_RING_TIMELINE=path` (or `HOROVOD_TIMELINE`) starts recording the
     timeline here (see `start_timeline`); `KERAS_RING_LOG_LEVEL` sets what the
-    log shows.
+    log shows; `KERAS_RING_AUTOTUNE=1` (or `HOROVOD_AUTOTUNE`) tunes the
+    fusion threshold, cycle time, segment size and algorithm crossover during
+    the first steps of training, the same on every rank.
 
     Raises:
         ValueError: if `comm` is given, or a process set is invalid.

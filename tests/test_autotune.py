@@ -11,7 +11,11 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "autotune_worker.py"
 
 
 def finals(output):
-    return [json.loads(line[len("FINAL ") :]) for line in output.splitlines() if line.startswith("FINAL ")]
+    return [
+        json.loads(line[len("FINAL ") :])
+        for line in output.splitlines()
+        if line.startswith("FINAL ")
+    ]
 
 
 @pytest.mark.parametrize("np_", [2, 3])

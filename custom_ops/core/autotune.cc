@@ -82,6 +82,19 @@ Autotuner::Autotuner(const TunedParams& initial, const AutotuneOptions& options)
   StartDimension();
 }
 
+bool Autotuner::NextDimension() {
+  while (++dimension_ < order_.size()) {
+    // The cycle time holds tensors back only for fusion: without fusion it
+    // cannot matter.
+    if (order_[dimension_] == std::string("cycle_time_ms") && best_.fusion_threshold == 0) {
+      continue;
+    }
+    StartDimension();
+    return true;
+  }
+  return false;
+}
+
 void Autotuner::StartDimension() {
   candidates_ = Candidates(order_[dimension_], best_);
   candidate_ = 0;
@@ -137,10 +150,7 @@ void Autotuner::EndTrial() {
     params_ = candidates_[candidate_];
     return;
   }
-  if (++dimension_ < order_.size()) {
-    StartDimension();
-    return;
-  }
+  if (NextDimension()) return;
   if (best_ == initial_) {
     Finish();
     return;

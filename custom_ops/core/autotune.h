@@ -86,6 +86,7 @@ class Autotuner {
 
  private:
   void StartDimension();
+  bool NextDimension();  // false when every setting has been tried
   void EndTrial();
   void Confirm(double score);
   void Finish();

@@ -128,6 +128,20 @@ KR_TEST(AutotuneGoesBackToTheStartWhenOnlyDriftMadeOthersWin) {
   KR_EXPECT(tuner.params() == start);
 }
 
+KR_TEST(AutotuneSkipsTheCycleTimeWhenFusionIsOff) {
+  const auto unfused_is_best = [](const TunedParams& p) {
+    return 0.01 + 1e-10 * double(p.fusion_threshold) + 0.001 * p.cycle_time_ms;
+  };
+  TunedParams start;
+  start.fusion_threshold = 64 * MiB;
+  Autotuner tuner(start, Quick());
+  Train(tuner, 2000, unfused_is_best);
+  KR_EXPECT(tuner.done());
+  KR_EXPECT_EQ(tuner.params().fusion_threshold, uint64_t(0));
+  for (const auto& trial : tuner.trials()) KR_EXPECT(trial.setting != "cycle_time_ms");
+  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 5 + 4 + 2));  // segment: 0 and four sizes
+}
+
 KR_TEST(AutotuneLeavesOutSettingsThatCannotMatterAndWritesItsLog) {
   AutotuneOptions o = Quick();
   o.tune_segment = false;
