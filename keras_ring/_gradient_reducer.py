@@ -240,6 +240,8 @@ class GradientReducer:
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
         results = list(grads)
+        if self._is_identity():
+            return results
         with tf.name_scope(self.name):
             for key, indices in self._partition(grads, variables):
                 # Gathered rows (IndexedSlices) are not summed, so the
@@ -258,6 +260,17 @@ class GradientReducer:
                 for i, r in zip(indices, reduced):
                     results[i] = r
         return results
+
+    def _is_identity(self):
+        # Alone in its set, a rank's average (or sum) is its own gradient:
+        # like Horovod, skip the collectives, unless scaling or compression
+        # would change the values.
+        return (
+            self._process_set.size() == 1
+            and self._prescale == 1.0
+            and self._postscale == 1.0
+            and self._compression is Compression.none
+        )
 
     def _partition(self, tensors, variables):
         """Returns (name, indices) of each group of non-`None` tensors, in a fixed order."""

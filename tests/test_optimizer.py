@@ -375,8 +375,14 @@ def test_groups_and_two_optimizers_in_one_step():
     model = build_model()
     kernels = model.trainable_variables[::2]
     other = build_model()
-    first = kr.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[kernels])
-    second = kr.DistributedOptimizer(keras.optimizers.SGD(0.1), num_groups=3)
+    # A predivide factor (a power of two: exact) makes one rank run the
+    # collectives, which it skips otherwise.
+    first = kr.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), groups=[kernels], gradient_predivide_factor=2.0
+    )
+    second = kr.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), num_groups=3, gradient_predivide_factor=2.0
+    )
     expected_first, expected_second = build_model(), build_model()
     plain_first, plain_second = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
     x, y = data()
@@ -395,6 +401,31 @@ def test_groups_and_two_optimizers_in_one_step():
         expected_first.get_weights() + expected_second.get_weights(),
     ):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def collectives_run():
+    from keras_ring import _engine
+
+    return _engine.stats()["collectives"]
+
+
+@pytest.mark.parametrize(
+    "options, reduces",
+    [
+        ({}, False),
+        ({"compression": kr.Compression.fp16}, True),
+        ({"gradient_predivide_factor": 2.0}, True),
+    ],
+)
+def test_one_rank_skips_the_reduction_unless_it_changes_values(options, reduces):
+    # Alone, a rank's average is its own gradient: no collective runs (as in
+    # Horovod), unless compression or scaling would change the values.
+    before = collectives_run()
+    model = train(kr.DistributedOptimizer(keras.optimizers.SGD(0.1), **options))
+    assert (collectives_run() > before) == reduces
+    expected = train(keras.optimizers.SGD(0.1))
+    for got, want in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-2 if reduces else 1e-6, atol=1e-3)
 
 
 # Guards
