@@ -240,10 +240,12 @@ class GradientReducer:
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
         results = list(grads)
+        # Partitioned first: its checks apply with any number of ranks.
+        partition = self._partition(grads, variables)
         if self._is_identity():
             return results
         with tf.name_scope(self.name):
-            for key, indices in self._partition(grads, variables):
+            for key, indices in partition:
                 # Gathered rows (IndexedSlices) are not summed, so the
                 # collective does not compress them (Horovod does not either).
                 reduced = _ops.grouped_allreduce(
