@@ -1,13 +1,14 @@
 """A training-like loop under KERAS_RING_AUTOTUNE: every step the same named
 tensors (several sizes, allreduce and allgather), each result checked against
 NumPy while the autotuner changes fusion, cycle time, segment size and
-crossover under it. At the end every rank prints its final settings, which the
+crossover under it. At the end every rank writes its final settings, which the
 test compares across ranks.
 
-Usage: autotune_worker.py STEPS
+Usage: autotune_worker.py STEPS OUT_DIR (each rank writes OUT_DIR/final.<rank>.json)
 """
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -40,8 +41,9 @@ def main():
             sys.exit(f"rank {rank} step {step}: allgather gave {gathered.tolist()}")
         params = _engine.parameters()
         seen.add(json.dumps({k: v for k, v in params.items() if k != "autotune"}))
-    final = _engine.parameters()
-    print("FINAL " + json.dumps({"rank": rank, "params": final, "settings_seen": len(seen)}))
+    final = {"rank": rank, "params": _engine.parameters(), "settings_seen": len(seen)}
+    with open(os.path.join(sys.argv[2], f"final.{rank}.json"), "w") as f:
+        json.dump(final, f)
     _engine.shutdown()
 
 
