@@ -64,6 +64,10 @@ def worker(args):
         def on_train_batch_begin(self, batch, logs=None):
             if batch == args.warmup:
                 self.start = time.perf_counter()
+                if distributed:  # the settings the timed steps start with
+                    from keras_ring import _engine
+
+                    self.parameters = _engine.parameters()
 
         def on_train_end(self, logs=None):
             self.seconds = time.perf_counter() - self.start
@@ -80,6 +84,7 @@ def worker(args):
         from keras_ring import _engine
 
         result["parameters"] = _engine.parameters()  # the settings in use at the end
+        result["parameters_at_start"] = timer.parameters
     if rank == 0:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
