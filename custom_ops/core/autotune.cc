@@ -63,7 +63,6 @@ std::string TunedParams::Describe() const {
 
 Autotuner::Autotuner(const TunedParams& initial, const AutotuneOptions& options)
     : options_(options),
-      initial_(initial),
       params_(initial),
       best_(initial),
       warmup_left_(options.warmup_samples) {
@@ -150,35 +149,42 @@ void Autotuner::EndTrial() {
     params_ = candidates_[candidate_];
     return;
   }
-  if (NextDimension()) return;
-  if (best_ == initial_) {
-    Finish();
+  // The values were measured one after another: on a machine whose speed
+  // drifts, a later value can win for nothing. Before leaving the value the
+  // setting had, compare the two in alternating samples.
+  if (best_ != candidates_[0]) {
+    confirming_ = true;
+    params_ = best_;
     return;
   }
-  // The search compared values measured at different times: on a machine
-  // whose speed drifts, a later value can win for nothing. Before leaving
-  // the starting values, compare the two in alternating samples.
-  confirming_ = true;
-  params_ = best_;
+  EndDimension();
+}
+
+void Autotuner::EndDimension() {
+  if (!NextDimension()) Finish();
 }
 
 void Autotuner::Confirm(double score) {
+  const TunedParams& incumbent = candidates_[0];
   const bool on_best = params_ == best_;
-  (on_best ? confirm_best_ : confirm_initial_).push_back(score);
-  if (confirm_initial_.size() < size_t(options_.samples_per_trial)) {
-    params_ = on_best ? initial_ : best_;
+  (on_best ? confirm_best_ : confirm_incumbent_).push_back(score);
+  if (confirm_incumbent_.size() < size_t(options_.samples_per_trial)) {
+    params_ = on_best ? incumbent : best_;
     return;
   }
-  const double best = Median(confirm_best_), initial = Median(confirm_initial_);
+  const double best = Median(confirm_best_), kept = Median(confirm_incumbent_);
   trials_.push_back({"confirm", best_, best});
-  trials_.push_back({"confirm", initial_, initial});
-  if (best > initial * (1 + options_.margin)) {
+  trials_.push_back({"confirm", incumbent, kept});
+  if (best > kept * (1 + options_.margin)) {
     best_score_ = best;
   } else {
-    best_ = initial_;
-    best_score_ = initial;
+    best_ = incumbent;
+    best_score_ = kept;
   }
-  Finish();
+  confirming_ = false;
+  confirm_best_.clear();
+  confirm_incumbent_.clear();
+  EndDimension();
 }
 
 void Autotuner::Finish() {
@@ -191,7 +197,7 @@ void Autotuner::WriteRow(const char* phase, double seconds, uint64_t bytes, doub
   if (!log_.is_open()) return;
   char row[400];
   std::snprintf(row, sizeof row, "%d,%s,%s,%llu,%g,%llu,%llu,%.6f,%llu,%.6g\n", sample_index_++,
-                phase, confirming_ || done_ ? "" : order_[dimension_],
+                phase, done_ ? "" : order_[dimension_],
                 static_cast<unsigned long long>(params_.fusion_threshold), params_.cycle_time_ms,
                 static_cast<unsigned long long>(params_.segment_bytes),
                 static_cast<unsigned long long>(params_.small_allreduce_bytes), seconds,

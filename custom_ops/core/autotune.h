@@ -16,10 +16,10 @@
 // one only if it beats it by more than `margin` (noise must not move us off
 // the starting point for nothing). The starting values are always among the
 // candidates. Trials run one after another, so a machine whose speed drifts
-// can make a later trial win for nothing: when the search ends away from the
-// starting values, the two are compared once more in alternating samples,
-// and the result is kept only if it still wins by the margin. Then the chosen
-// values stay for the rest of the run.
+// can make a later trial win for nothing: when a setting's best value is not
+// the one it had, the two are compared once more in alternating samples, and
+// the new value is kept only if it still wins by the margin. When every
+// setting has been tried the chosen values stay for the rest of the run.
 //
 // The engine sends every change to all ranks in its next response list, and
 // each rank applies it before running that list, so the settings that every
@@ -89,11 +89,12 @@ class Autotuner {
   bool NextDimension();  // false when every setting has been tried
   void EndTrial();
   void Confirm(double score);
+  void EndDimension();
   void Finish();
   void WriteRow(const char* phase, double seconds, uint64_t bytes, double score);
 
   AutotuneOptions options_;
-  TunedParams initial_, params_, best_;
+  TunedParams params_, best_;
   double best_score_ = 0;
   std::vector<const char*> order_;  // names of the settings to tune, in order
   size_t dimension_ = 0;            // index into order_
@@ -102,7 +103,7 @@ class Autotuner {
   std::vector<double> scores_;  // of the current trial's samples
   int warmup_left_ = 0;
   bool confirming_ = false;
-  std::vector<double> confirm_best_, confirm_initial_;
+  std::vector<double> confirm_best_, confirm_incumbent_;
   bool done_ = false;
 
   std::unordered_map<std::string, int> seen_;  // names in the current sample

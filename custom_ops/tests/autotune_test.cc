@@ -73,8 +73,8 @@ KR_TEST(AutotuneFindsTheBestOfEachSettingAndStops) {
   KR_EXPECT_EQ(tuner.params().segment_bytes, 256 * KiB);
   KR_EXPECT_EQ(tuner.params().small_allreduce_bytes, 64 * KiB);
   // Each setting's candidates, the incumbent (measured again) among them,
-  // then the result against the start once more.
-  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 5 + 4 + 4 + 2));
+  // then, as every setting moved, its new value against its old once more.
+  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 5 + 4 + 4 + 4 * 2));
   KR_EXPECT_EQ(tuner.trials().back().setting, std::string("confirm"));
   const TunedParams chosen = tuner.params();
   Train(tuner, 100, Separable);  // done: nothing moves any more
@@ -113,8 +113,8 @@ KR_TEST(AutotuneKeepsTheStartingValuesUnlessClearlyBeaten) {
 
 KR_TEST(AutotuneGoesBackToTheStartWhenOnlyDriftMadeOthersWin) {
   // Every setting costs the same, but the machine gets faster and faster:
-  // each later trial wins the search, and the alternating comparison at the
-  // end shows it was the drift.
+  // each setting's last value wins its trials, and the alternating
+  // comparison shows it was the drift.
   TunedParams start;
   start.fusion_threshold = 64 * MiB;
   int step = 0;
@@ -150,7 +150,7 @@ KR_TEST(AutotuneLeavesOutSettingsThatCannotMatterAndWritesItsLog) {
   Autotuner tuner(TunedParams{}, o);
   Train(tuner, 2000, Separable);
   KR_EXPECT(tuner.done());
-  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 5 + 2));
+  KR_EXPECT_EQ(tuner.trials().size(), size_t(6 + 2 + 5 + 2));  // both settings moved
   for (const auto& trial : tuner.trials()) {
     KR_EXPECT(trial.setting == "fusion_threshold" || trial.setting == "cycle_time_ms" ||
               trial.setting == "confirm");
@@ -162,7 +162,9 @@ KR_TEST(AutotuneLeavesOutSettingsThatCannotMatterAndWritesItsLog) {
   // Header, warm-up samples, three samples per trial (the confirmation's two
   // trials alternate), the choice.
   KR_EXPECT_EQ(lines.size(), size_t(1 + 2 + 3 * tuner.trials().size() + 1));
-  KR_EXPECT(lines[lines.size() - 2].find(",confirm,,0,0,") != std::string::npos);
+  // The last sample: the cycle time's old value, against the new one.
+  KR_EXPECT(lines[lines.size() - 2].find(",confirm,cycle_time_ms,16777216,0,") !=
+            std::string::npos);
   KR_EXPECT(lines[0].rfind("sample,phase,setting,fusion_threshold_bytes", 0) == 0);
   KR_EXPECT(lines[1].find(",warmup,fusion_threshold,") != std::string::npos);
   KR_EXPECT(lines.back().find(",chosen,,16777216,1,") != std::string::npos);
