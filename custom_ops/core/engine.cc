@@ -194,6 +194,7 @@ kr_status Engine::Init(std::string* error) {
     Shutdown(nullptr);
     lock.lock();
   }
+  AutotuneOptions tuning;  // read with the other settings, used once the world set exists
   try {
     ConfigureLog();
     TunedParams params;
@@ -209,14 +210,13 @@ kr_status Engine::Init(std::string* error) {
         ParseCount);
     autotune_ = Setting<unsigned long long>({"KERAS_RING_AUTOTUNE", "HOROVOD_AUTOTUNE"}, 0,
                                             "0 or 1", ParseCount) != 0;
-    autotune_options_ = AutotuneOptions();
-    autotune_options_.log_path = TextSetting({"KERAS_RING_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"});
-    autotune_options_.warmup_samples = static_cast<int>(Setting<unsigned long long>(
+    tuning.log_path = TextSetting({"KERAS_RING_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"});
+    tuning.warmup_samples = static_cast<int>(Setting<unsigned long long>(
         {"KERAS_RING_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"},
-        autotune_options_.warmup_samples, "a number of samples", ParseCount));
-    autotune_options_.steps_per_sample = static_cast<int>(Setting<unsigned long long>(
+        tuning.warmup_samples, "a number of samples", ParseCount));
+    tuning.steps_per_sample = static_cast<int>(Setting<unsigned long long>(
         {"KERAS_RING_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"},
-        autotune_options_.steps_per_sample, "a number of steps", ParseCount));
+        tuning.steps_per_sample, "a number of steps", ParseCount));
     stall_check_ = Seconds(Setting<double>(
         {"KERAS_RING_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"},
         kDefaultStallCheckSeconds, "a number of seconds", ParseDouble));
@@ -315,10 +315,10 @@ kr_status Engine::Init(std::string* error) {
   params_changed_ = false;
   if (autotune_ && coordinating_) {
     // The crossover matters only where allreduces can go over MPI.
-    autotune_options_.tune_small_allreduce =
+    tuning.tune_small_allreduce =
         !world.shm || world.shm_oversubscribed || world.cross != nullptr;
     try {
-      autotuner_ = std::make_unique<Autotuner>(params_, autotune_options_);
+      autotuner_ = std::make_unique<Autotuner>(params_, tuning);
     } catch (const EngineError& e) {
       SetError(error, e.what());
       return KR_INTERNAL;

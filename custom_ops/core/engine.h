@@ -188,7 +188,6 @@ class Engine {
   // parameters()), read without it by the background thread.
   TunedParams params_;
   std::unique_ptr<Autotuner> autotuner_;  // rank 0, while KERAS_RING_AUTOTUNE tunes
-  AutotuneOptions autotune_options_;
   bool autotune_ = false;
   bool autotune_done_ = false;
   bool params_changed_ = false;  // rank 0: to send with the next response list
