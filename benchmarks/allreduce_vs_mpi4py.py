@@ -55,8 +55,8 @@ def main():
         def tf_op():
             kr.allreduce(tensor, op=kr.Sum, name="bench")  # eager ops return when done
 
-        def binding():
-            _engine.submit(_engine.ALLREDUCE, host, "bench", op=kr.Sum).wait()
+        def binding():  # the caller's thread runs the engine while it waits
+            _engine.run(_engine.ALLREDUCE, [host], ["bench"], op=kr.Sum)
 
         def mpi4py():
             comm.Allreduce(host, out, op=MPI.SUM)

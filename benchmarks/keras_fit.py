@@ -8,7 +8,10 @@ intra-op thread, the same synthetic data and model (an MLP of about 2.4M
 parameters). It prints samples/s per configuration, the overhead of the
 DistributedOptimizer at 1 rank (relative to plain Keras) and the scaling
 efficiency at 2 ranks (total samples/s / (2 x 1-rank samples/s)), and writes
-JSON and a PNG plot to benchmarks/results/.
+JSON and a PNG plot to benchmarks/results/. As the machine's ceiling it also
+runs two plain Keras processes at once that share nothing: whatever they lose
+against one alone (cores, caches and memory bandwidth shared) no amount of
+communication can win back.
 """
 
 import argparse
@@ -89,14 +92,33 @@ def worker(args):
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
+def run_jobs(command, copies=1, env=None):
+    """Runs `copies` of one job at once (with `env` added to the environment); returns each
+    copy's rank-0 result."""
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=None if env is None else {**os.environ, **env})
+             for _ in range(copies)]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate()
+        lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(f"{' '.join(command)} failed:\n{stdout[-3000:]}{stderr[-3000:]}")
+        results.append(json.loads(lines[0][len(RESULT_PREFIX):]))
+    return results
+
+
 def run_job(command, env=None):
     """Runs one job (with `env` added to the environment); returns rank 0's result."""
-    out = subprocess.run(command, capture_output=True, text=True, check=False,
-                         env=None if env is None else {**os.environ, **env})
-    lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if out.returncode != 0 or not lines:
-        raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
-    return json.loads(lines[0][len(RESULT_PREFIX):])
+    return run_jobs(command, 1, env)[0]
+
+
+def independent_pair(command):
+    """Two plain Keras processes at once, sharing nothing: what two processes get out of this
+    machine's cores and memory without communicating (the ceiling for 2 ranks)."""
+    results = run_jobs(command, copies=2)
+    total = sum(r["samples_per_s"] for r in results)
+    return {"ranks": 2, "samples_per_s": total, "samples_per_s_per_rank": total / 2}
 
 
 def driver(args):
@@ -109,10 +131,13 @@ def driver(args):
                                                     + ["--mode", "keras-ring"])},
         {"config": "keras-ring, 2 ranks", **run_job([launcher, "-np", "2"] + me
                                                      + ["--mode", "keras-ring"])},
+        {"config": "2 x plain, no comm.", **independent_pair(me + ["--mode", "plain"])},
     ]
-    plain, one, two = (r["samples_per_s"] for r in rows)
+    plain, one, two, pair = (r["samples_per_s"] for r in rows)
     summary = {"overhead_at_1_rank": plain / one - 1.0,
-               "scaling_efficiency_at_2_ranks": two / (2 * one)}
+               "scaling_efficiency_at_2_ranks": two / (2 * one),
+               "scaling_ceiling_at_2_processes": pair / (2 * plain),
+               "of_the_ceiling_at_2_ranks": two / pair}
     print(f"\nmodel.fit, MLP 512-1024-1024-512-10, batch {args.batch} per rank, "
           f"{args.steps} timed steps, 1 intra-op thread per process")
     print(f"{'configuration':<22}{'samples/s':>12}{'per rank':>12}")
@@ -121,9 +146,13 @@ def driver(args):
     print(f"overhead of keras-ring at 1 rank: {summary['overhead_at_1_rank'] * 100:+.1f}% time "
           f"per sample; scaling efficiency at 2 ranks: "
           f"{summary['scaling_efficiency_at_2_ranks'] * 100:.0f}%")
+    print(f"two plain Keras processes at once, sharing nothing, reach "
+          f"{summary['scaling_ceiling_at_2_processes'] * 100:.0f}% of twice one alone (this "
+          f"machine's ceiling); keras-ring at 2 ranks reaches "
+          f"{summary['of_the_ceiling_at_2_ranks'] * 100:.0f}% of that pair")
     fig, ax = write_results(
         args.out, "keras_fit",
-        {"steps": args.steps, "batch": args.batch, "rows": rows, **summary}, figsize=(6, 3.5))
+        {"steps": args.steps, "batch": args.batch, "rows": rows, **summary}, figsize=(7, 3.5))
     ax.bar([r["config"] for r in rows], [r["samples_per_s"] for r in rows])
     ax.set_ylabel("samples/s (all ranks)")
     ax.set_title("model.fit throughput")

@@ -53,7 +53,22 @@ kr_status kr_get_topology(kr_topology* out) {
 
 kr_status kr_enqueue(const kr_request* request) {
   if (!request || !request->done) return KR_INVALID_ARGUMENT;
-  return Engine::Get().Enqueue(*request);
+  return Engine::Get().Enqueue(request, 1);
+}
+
+kr_status kr_enqueue_and_drive(const kr_request* requests, int n, int (*finished)(void* ctx),
+                               void* ctx) {
+  if (n < 0 || (n > 0 && !requests) || !finished) return KR_INVALID_ARGUMENT;
+  for (int i = 0; i < n; ++i) {
+    if (!requests[i].done) return KR_INVALID_ARGUMENT;
+  }
+  kr_status status = Engine::Get().Enqueue(requests, n, /*wake=*/false);
+  Engine::Get().Drive(finished, ctx);
+  return status;
+}
+
+void kr_drive(int (*finished)(void* ctx), void* ctx) {
+  if (finished) Engine::Get().Drive(finished, ctx);
 }
 
 void kr_get_stats(kr_stats* out) { *out = Engine::Get().stats(); }

@@ -3,7 +3,8 @@
  *
  * Requests are matched across ranks by name. kr_enqueue never blocks on
  * communication: the engine's background thread negotiates, runs the
- * collective and then calls request->done from that thread, exactly once.
+ * collective and then calls request->done from that thread, exactly once
+ * (or from a thread that lends itself to the engine: kr_drive).
  */
 #ifndef KERAS_RING_C_API_H_
 #define KERAS_RING_C_API_H_
@@ -100,11 +101,12 @@ typedef struct kr_request {
    * within the set. */
   int32_t process_set;
   int device;                /* KR_DEVICE_CPU; GPU ordinals come later */
-  /* Called from the engine thread; returns NULL if allocation failed (NULL
+  /* Called from the engine's thread; returns NULL if allocation failed (NULL
    * is accepted for an output of zero bytes). */
   void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape);
-  /* Called exactly once from the engine thread (or from kr_enqueue when the
-   * request is refused). message is valid only during the call. */
+  /* Called exactly once from the engine's thread (the background thread, or
+   * one in kr_drive), or from kr_enqueue when the request is refused.
+   * message is valid only during the call. */
   void (*done)(void* ctx, kr_status status, const char* message);
   void* ctx;
 } kr_request;
@@ -161,6 +163,20 @@ KR_API void kr_finalize(void);
 KR_API int kr_is_initialized(void);
 KR_API kr_status kr_get_topology(kr_topology* out);
 KR_API kr_status kr_enqueue(const kr_request* request);
+/* Lends the calling thread to the engine: runs its loop here until
+ * finished(ctx) returns nonzero, the engine stops, or the loop has spun idle
+ * for a while, and returns; the caller then waits for its requests as usual
+ * (they may still be in flight). A thread about to block on a request saves
+ * two thread wake-ups this way (the engine thread's, then its own), which
+ * are most of a small collective's time on a busy host. Callbacks of any
+ * request may run on this thread meanwhile. */
+KR_API void kr_drive(int (*finished)(void* ctx), void* ctx);
+/* kr_enqueue of requests[0..n) (the first refusal's status is returned),
+ * then kr_drive: for a caller that waits for them at once. Unlike n calls of
+ * kr_enqueue it does not wake the engine thread, which this thread stands in
+ * for (and hands any unfinished work to when it returns). */
+KR_API kr_status kr_enqueue_and_drive(const kr_request* requests, int n,
+                                      int (*finished)(void* ctx), void* ctx);
 /* Process sets: subsets of the job's ranks that run collectives among
  * themselves. Every rank of the job must call these, in the same order, with
  * the same arguments (they are agreed like any collective); they block until

@@ -34,6 +34,12 @@ constexpr int kCoordinator = 0;
 constexpr int kSpinPasses = 32;
 constexpr auto kMaxPollSleep = std::chrono::microseconds(1000);
 
+// A caller lending its thread (Drive) spins this long without progress
+// before it hands over. Measured (docs/performance.md): 32 passes, as the
+// background thread spins, handed over too soon when the ranks were tens of
+// microseconds apart, and the hand-off then cost more than the spin saved.
+constexpr auto kDriveSpin = std::chrono::microseconds(200);
+
 std::chrono::microseconds PollSleep(int idle_passes) {
   int doublings = std::min(idle_passes - kSpinPasses, 7);
   return std::min(kMaxPollSleep, std::chrono::microseconds(10) * (1 << doublings));
@@ -251,8 +257,9 @@ kr_status Engine::Init(std::string* error) {
     } else {
       MPI_Query_thread(&provided);
     }
-    // Only the background thread talks to MPI once init() returns, so
-    // SERIALIZED is enough; MULTIPLE lets the user's mpi4py run beside us.
+    // Once init() returns, only the thread running the loop (one at a time:
+    // see Drive) talks to MPI, so SERIALIZED is enough; MULTIPLE lets the
+    // user's mpi4py run beside us.
     if (provided < MPI_THREAD_SERIALIZED) {
       SetError(error, "keras-ring: MPI was initialised with thread level " +
                           std::to_string(provided) +
@@ -331,6 +338,10 @@ kr_status Engine::Init(std::string* error) {
   shutdown_requested_ = false;
   shutdown_sent_ = false;
   running_ = true;
+  loop_over_ = false;
+  resume_ = false;
+  pace_ = {};
+  stopped_why_ = "keras-ring has been shut down";
   thread_ = std::thread(&Engine::Loop, this);
   KR_LOG(kInfo, "engine started: rank " + std::to_string(topology_.rank) + " of " +
                     std::to_string(topology_.size) + ", " + params_.Describe() +
@@ -399,7 +410,7 @@ void Engine::Finalize() {
   if (we_initialized_mpi_ && !finalized) MPI_Finalize();
 }
 
-kr_status Engine::Enqueue(const kr_request& r) {
+kr_status Engine::Prepare(const kr_request& r, Request* out) {
   auto refuse = [&](kr_status status, const std::string& message) {
     r.done(r.ctx, status, message.c_str());
     return status;
@@ -469,24 +480,43 @@ kr_status Engine::Enqueue(const kr_request& r) {
   req.ctx = r.ctx;
   req.process_set = r.process_set;
   if (timeline_.on()) req.submitted = Timeline::Clock::now();
-  bool wake;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!stopped_.second.empty()) {
-      // The engine stopped by itself: say why, until shutdown() or init().
-      return refuse(stopped_.first, stopped_.second + " (tensor '" + name + "')");
-    }
-    if (!running_ || shutdown_requested_) {
-      return refuse(KR_NOT_INITIALIZED, "keras-ring is not initialised (call init() first) "
-                                        "or has been shut down; tensor '" + name + "'");
-    }
-    // The loop takes the whole queue at once, so only the first request of a
-    // batch needs to wake it: a burst of submissions costs one wake-up.
-    wake = queue_.empty();
-    queue_.push_back(std::move(req));
-  }
-  if (wake) cv_.notify_one();
+  *out = std::move(req);
   return KR_OK;
+}
+
+kr_status Engine::Enqueue(const kr_request* requests, int n, bool wake) {
+  std::vector<Request> prepared;
+  prepared.reserve(n);
+  kr_status status = KR_OK;
+  for (int i = 0; i < n; ++i) {
+    prepared.emplace_back();
+    kr_status s = Prepare(requests[i], &prepared.back());
+    if (s != KR_OK) {
+      prepared.pop_back();
+      if (status == KR_OK) status = s;
+    }
+  }
+  if (prepared.empty()) return status;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto refuse_all = [&](kr_status s, const std::string& why) {
+    for (const Request& req : prepared) req.Complete(s, why + " (tensor '" + req.meta.name + "')");
+    return s;
+  };
+  if (!stopped_.second.empty()) {
+    // The engine stopped by itself: say why, until shutdown() or init().
+    return refuse_all(stopped_.first, stopped_.second);
+  }
+  if (!running_ || shutdown_requested_) {
+    return refuse_all(KR_NOT_INITIALIZED, "keras-ring is not initialised (call init() first) "
+                                          "or has been shut down");
+  }
+  // The loop takes the whole queue at once, so only the first request of a
+  // burst needs to wake it; a caller driving the loop takes them itself, or
+  // hands them to the background thread when it leaves.
+  wake = wake && queue_.empty() && drivers_ == 0;
+  for (Request& req : prepared) queue_.push_back(std::move(req));
+  if (wake) cv_.notify_one();
+  return status;
 }
 
 bool Engine::InFlight() const {
@@ -561,63 +591,81 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
 }
 
 void Engine::Loop() {
-  int idle_passes = 0;
-  std::string stopped = "keras-ring has been shut down";
-  try {
-    for (;;) {
-      std::deque<Request> fresh;
-      bool shutdown;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        auto has_news = [&] { return !queue_.empty() || (shutdown_requested_ && !shutdown_sent_); };
-        bool in_flight = InFlight() || shutdown_sent_ || !sends_.empty() || CoordinatorBusy();
-        if (!in_flight && coordinating_) {
-          // Idle, the coordinator still looks for stalls and for other ranks'
-          // shutdowns once a second, and more often for sets it is not in,
-          // whose members may need it while it has nothing of its own to do.
-          cv_.wait_for(lock, OutsideASet() ? kOutsideSetPoll : kStallTick, has_news);
-        } else if (!in_flight) {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto has_news = [&] {
+        return loop_over_ ||
+               (drivers_ == 0 && (resume_ || !queue_.empty() ||
+                                  (shutdown_requested_ && !pace_.shutdown_sent)));
+      };
+      if (drivers_ > 0 || !pace_.in_flight) {
+        // Idle, or a caller runs the loop. The coordinator still looks for
+        // stalls and for other ranks' shutdowns once a second, and more often
+        // for sets it is not in, whose members may need it while it has
+        // nothing of its own to do.
+        if (coordinating_) {
+          cv_.wait_for(lock, pace_.outside_a_set ? kOutsideSetPoll : kStallTick, has_news);
+        } else {
           cv_.wait(lock, has_news);
-        } else if (idle_passes > kSpinPasses && !has_news()) {
-          cv_.wait_for(lock, PollSleep(idle_passes), has_news);
         }
-        fresh.swap(queue_);
-        shutdown = shutdown_requested_;
+      } else if (pace_.idle_passes > kSpinPasses && !has_news()) {
+        cv_.wait_for(lock, PollSleep(pace_.idle_passes), has_news);
       }
-      if (idle_passes > 0 && idle_passes <= kSpinPasses) std::this_thread::yield();
-
-      bool progress = !fresh.empty();
-      std::unordered_map<int32_t, ReadyList> ready;
-      for (auto& req : fresh) Admit(req, &ready);
-      if (shutdown && !shutdown_sent_) {
-        ready[0].shutdown = true;
-        shutdown_sent_ = true;
+      if (loop_over_) return;
+      if (drivers_ > 0) continue;
+      resume_ = false;
+      if (pace_.idle_passes > 0 && pace_.idle_passes <= kSpinPasses) {
+        lock.unlock();
+        std::this_thread::yield();
       }
-      for (auto& entry : ready) SendReadyList(std::move(entry.second));
-      ResponseList list;
-      bool got = coordinating_ ? ReceiveOnCoordinator(&list) : ReceiveResponses(&list);
-      ReapSends();
-      if (got) {
-        progress = true;
-        Execute(list);
-        if (autotuner_ && !autotuner_->done()) Tune(list);
-        if (list.shutdown_rank >= 0) {
-          if (list.shutdown_rank != topology_.rank) {
-            stopped = "keras-ring: rank " + std::to_string(list.shutdown_rank) +
-                      " shut down (shutdown() or its process exiting), which stops the engine "
-                      "of every rank; init() starts it again";
-          }
-          break;
-        }
-      }
-      if (progress && timeline_.mark_cycles()) {
-        timeline_.Mark("CYCLE", Timeline::Clock::now(),
-                       std::make_shared<const std::string>(
-                           "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
-                           std::to_string(got ? list.responses.size() : 0)));
-      }
-      idle_passes = progress ? 0 : idle_passes + 1;
     }
+    std::lock_guard<std::mutex> pass(pass_mu_);
+    bool progress;
+    if (loop_over_ || !Step(&progress)) return;
+  }
+}
+
+void Engine::Drive(int (*finished)(void* ctx), void* ctx) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (loop_over_ || !running_) return;
+    ++drivers_;
+  }
+  {
+    // The background thread finishes the pass it may be in, then leaves the
+    // loop to this caller until the last driver has gone.
+    std::lock_guard<std::mutex> pass(pass_mu_);
+    // Spins (yielding) while its peers catch up; once they have kept it idle
+    // for kDriveSpin, hands over to the background thread, which sleeps
+    // between polls.
+    auto idle_since = std::chrono::steady_clock::now();
+    bool progress = false;
+    while (!loop_over_ && !finished(ctx) && Step(&progress)) {
+      const auto now = std::chrono::steady_clock::now();
+      if (progress) {
+        idle_since = now;
+      } else if (now - idle_since > kDriveSpin) {
+        break;
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--drivers_ == 0 && !loop_over_ &&
+        (pace_.in_flight || !queue_.empty() || shutdown_requested_)) {
+      resume_ = wake = true;
+    }
+  }
+  if (wake) cv_.notify_one();
+}
+
+bool Engine::Step(bool* progress) {
+  try {
+    if (Pass(progress)) return true;
     // Every rank sends the coordinator exactly one shutdown message (its own
     // request, or this acknowledgement) and the coordinator waits for all of
     // them, so no control message is left behind on the communicator.
@@ -632,7 +680,7 @@ void Engine::Loop() {
     }
     for (auto& send : sends_) CheckMpi(MPI_Wait(&send.first, MPI_STATUS_IGNORE), "MPI_Wait");
     sends_.clear();
-    StopAccepting(KR_NOT_INITIALIZED, stopped);
+    StopAccepting(KR_NOT_INITIALIZED, stopped_why_);
   } catch (const std::exception& e) {
     // The ranks can no longer be assumed to be in step: fail everything, tell
     // the others, and refuse new work until shutdown() (which returns at
@@ -642,6 +690,54 @@ void Engine::Loop() {
     Abandon(e.what());
     StopAccepting(KR_INTERNAL, e.what());
   }
+  return false;
+}
+
+bool Engine::Pass(bool* progress) {
+  std::deque<Request> fresh;
+  bool shutdown;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fresh.swap(queue_);
+    shutdown = shutdown_requested_;
+  }
+  *progress = !fresh.empty();
+  std::unordered_map<int32_t, ReadyList> ready;
+  for (auto& req : fresh) Admit(req, &ready);
+  if (shutdown && !shutdown_sent_) {
+    ready[0].shutdown = true;
+    shutdown_sent_ = true;
+  }
+  for (auto& entry : ready) SendReadyList(std::move(entry.second));
+  ResponseList list;
+  bool got = coordinating_ ? ReceiveOnCoordinator(&list) : ReceiveResponses(&list);
+  ReapSends();
+  if (got) {
+    *progress = true;
+    Execute(list);
+    if (autotuner_ && !autotuner_->done()) Tune(list);
+    if (list.shutdown_rank >= 0) {
+      if (list.shutdown_rank != topology_.rank) {
+        stopped_why_ = "keras-ring: rank " + std::to_string(list.shutdown_rank) +
+                       " shut down (shutdown() or its process exiting), which stops the engine "
+                       "of every rank; init() starts it again";
+      }
+      return false;
+    }
+  }
+  if (*progress && timeline_.mark_cycles()) {
+    timeline_.Mark("CYCLE", Timeline::Clock::now(),
+                   std::make_shared<const std::string>(
+                       "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
+                       std::to_string(got ? list.responses.size() : 0)));
+  }
+  const bool in_flight = InFlight() || shutdown_sent_ || !sends_.empty() || CoordinatorBusy();
+  std::lock_guard<std::mutex> lock(mu_);
+  pace_.in_flight = in_flight;
+  pace_.outside_a_set = OutsideASet();
+  pace_.shutdown_sent = shutdown_sent_;
+  pace_.idle_passes = *progress ? 0 : pace_.idle_passes + 1;
+  return true;
 }
 
 bool Engine::CoordinatorBusy() const {
@@ -690,9 +786,11 @@ void Engine::Abandon(const std::string& reason) {
 void Engine::StopAccepting(kr_status status, const std::string& message) {
   std::lock_guard<std::mutex> lock(mu_);
   running_ = false;
+  loop_over_ = true;
   stopped_ = {status, message};
   for (auto& req : queue_) req.Complete(status, message + " (tensor '" + req.meta.name + "')");
   queue_.clear();
+  cv_.notify_all();  // the background thread ends too, if a caller ran this pass
 }
 
 void Engine::AddToCoordinator(int world_rank, ReadyList list) {

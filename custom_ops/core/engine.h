@@ -90,8 +90,16 @@ class Engine {
             stats_.shm_collectives.load(), stats_.hierarchical_collectives.load()};
   }
   kr_parameters parameters() const;
-  // Validates and queues; on refusal calls done itself and returns the status.
-  kr_status Enqueue(const kr_request& request);
+  // Validates and queues the requests; each refused one is completed through
+  // its done callback, and the first refusal's status returned. Without
+  // `wake`, the caller must Drive() next: the background thread is not told.
+  kr_status Enqueue(const kr_request* requests, int n, bool wake = true);
+  // Runs the engine's loop on the calling thread until finished(ctx) returns
+  // true, the loop stops, or nothing has happened for a while (then the
+  // background thread carries on and the caller should block as usual). A
+  // caller about to wait for its request saves the two thread wake-ups of
+  // handing the work to the background thread and back (see kr_drive).
+  void Drive(int (*finished)(void* ctx), void* ctx);
   // Agreed with every rank like a collective of the whole job; blocking.
   kr_status AddProcessSet(std::vector<int> ranks, int32_t* id, std::string* error);
   kr_status RemoveProcessSet(int32_t id, std::string* error);
@@ -104,9 +112,18 @@ class Engine {
 
  private:
   Engine() = default;
+  // Validates one request into *out; on refusal calls done itself and
+  // returns the status.
+  kr_status Prepare(const kr_request& request, Request* out);
   // Queues an internal request of the whole job and waits for it.
   kr_status RunControl(Request req, std::string* error);
+  // The background thread: runs passes of the loop while no caller drives it.
   void Loop();
+  // One pass of the loop under pass_mu_; false once the loop is over (the
+  // other ranks have then been told, and further requests are refused).
+  // *progress: whether the pass did anything.
+  bool Step(bool* progress);
+  bool Pass(bool* progress);  // false: the job is shutting down
   // Takes a request from the queue into its set's pending table and the ready
   // list; false if it was refused (and completed).
   bool Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready);
@@ -163,10 +180,21 @@ class Engine {
 
   // Shared between framework threads and the background thread.
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;  // the background thread waits on it
   std::deque<Request> queue_;
   bool shutdown_requested_ = false;
   bool running_ = false;
+  bool loop_over_ = false;  // written under mu_ and pass_mu_
+  int drivers_ = 0;         // callers in Drive()
+  bool resume_ = false;     // the last driver left work in flight
+  // How the last pass left the loop, for the background thread's choice of
+  // how long to sleep.
+  struct {
+    bool in_flight = false;
+    bool outside_a_set = false;
+    bool shutdown_sent = false;
+    int idle_passes = 0;
+  } pace_;
   // Why the loop stopped by itself (another rank shut down, or the engine
   // failed), which refusals report until shutdown() or init(); empty: it did not.
   std::pair<kr_status, std::string> stopped_{KR_OK, ""};
@@ -174,8 +202,11 @@ class Engine {
   std::unordered_map<int32_t, std::vector<int>> set_ranks_;
   uint64_t control_calls_ = 0;  // names internal requests alike on every rank
 
-  // Owned by the background thread while it runs.
+  // Whoever holds pass_mu_ runs the loop's passes: the background thread, or
+  // a caller in Drive(). It owns what follows while it does.
+  std::mutex pass_mu_;
   std::thread thread_;
+  std::string stopped_why_;  // why the loop ended (for refusals afterwards)
   std::unordered_map<int32_t, ProcessSet> sets_;
   int32_t next_set_id_ = 1;
   bool shutdown_sent_ = false;

@@ -1,8 +1,10 @@
 // Kernels of the keras-ring ops: thin adapters that turn one op invocation
 // into engine requests (c_api.h) and finish the op from the engine's
 // completion callback. No collective logic lives here.
+#include <atomic>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -99,6 +101,9 @@ class PendingOp {
     }
   }
 
+  // Set once the op has finished; outlives this object.
+  std::shared_ptr<std::atomic<bool>> finished() const { return finished_; }
+
   // Routes request i's callbacks to this object; output i is its result.
   // With received_splits_output >= 0 (alltoall), that output receives the
   // engine's received splits as int32 when the request succeeds.
@@ -178,6 +183,7 @@ class PendingOp {
     if (!last) return;
     ctx_->SetStatus(status_);
     done_();
+    finished_->store(true);
     delete this;
   }
 
@@ -187,6 +193,7 @@ class PendingOp {
   std::mutex mu_;
   int remaining_;
   absl::Status status_;  // the first error
+  const std::shared_ptr<std::atomic<bool>> finished_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 // What the kernels share: the request name and the engine submission.
@@ -223,22 +230,32 @@ class CollectiveKernel : public AsyncOpKernel {
     return absl::OkStatus();
   }
 
-  // Enqueues the requests; the op finishes when the last one completes.
+  // Enqueues the requests; the op finishes when the last one completes. This
+  // thread runs the engine meanwhile (kr_drive), so that a collective whose
+  // peers are ready finishes here, without waking the engine thread and then
+  // TensorFlow's; if the peers are not ready, the call returns after a short
+  // spin and the engine thread finishes the op.
   static void Submit(OpKernelContext* ctx, DoneCallback done, std::vector<Request> requests) {
     auto* pending = new PendingOp(ctx, std::move(done), static_cast<int>(requests.size()));
+    // `pending` deletes itself when the last request completes, possibly
+    // during kr_enqueue_and_drive: the flag outlives it.
+    std::shared_ptr<std::atomic<bool>> finished = pending->finished();
+    std::vector<kr_request> fields(requests.size());
     for (size_t i = 0; i < requests.size(); ++i) {
-      kr_request& r = requests[i].fields;
+      kr_request& r = fields[i];
+      r = requests[i].fields;
       r.name = requests[i].name.c_str();
       r.ndim = static_cast<int>(requests[i].shape.size());
       r.shape = requests[i].shape.data();
       r.splits = requests[i].splits.data();
       r.nsplits = static_cast<int>(requests[i].splits.size());
-      // Until request i is enqueued, at least one request is incomplete, so
-      // `pending` is alive; after the last kr_enqueue it may be gone.
       pending->Bind(static_cast<int>(i), &r, requests[i].received_splits_output);
-      // A refused request is completed through done, so the result adds nothing.
-      (void)kr_enqueue(&r);
     }
+    // A refused request is completed through done, so the result adds nothing.
+    (void)kr_enqueue_and_drive(
+        fields.data(), static_cast<int>(fields.size()),
+        [](void* flag) -> int { return static_cast<std::atomic<bool>*>(flag)->load(); },
+        finished.get());
   }
 
   std::string name_;

@@ -9,6 +9,8 @@ because the inputs are seeded by rank.
 import os
 import random
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -438,6 +440,87 @@ def test_join(rank, size):
     check("after.join", got, np.full(1, size), exact=True)
 
 
+def test_run(rank, size):
+    """run(): many arrays at once, waited for by this thread running the engine (kr_drive)."""
+    # Every dtype and size, each with its own op, in one call.
+    cases = [(f"run.{i}", DTYPES[i % len(DTYPES)], ["Sum", "Max", "Min"][i % 3],
+              (SIZES + [BIG // 64])[i % 5]) for i in range(40)]
+    for op_name in ("Sum", "Max", "Min"):
+        picked = [c for c in cases if c[2] == op_name]
+        inputs = [data(rank, n, dtype, op_name, i) for i, (_, dtype, _, n) in enumerate(picked)]
+        got = _engine.run(_engine.ALLREDUCE, inputs, [c[0] for c in picked], op=OPS[op_name])
+        for i, ((name, dtype, op, n), out) in enumerate(zip(picked, got)):
+            want = reference([data(r, n, dtype, op, i) for r in range(size)], dtype, op, 1.0, 1.0)
+            check(name, out, want, exact=True)
+    # Other collectives.
+    got = _engine.run(_engine.ALLGATHER, [np.full((rank + 1, 2), rank, np.int32)], ["run.ag"])[0]
+    check("run.ag", got, np.concatenate([np.full((r + 1, 2), r) for r in range(size)]), exact=True)
+    got = _engine.run(_engine.BROADCAST, [np.full(5, rank, np.float64)], ["run.bc"], root_rank=1)
+    check("run.bc", got[0], np.full(5, 1.0), exact=True)
+    # Handles submitted earlier and not yet waited for complete while run() drives.
+    early = [submit(_engine.ALLREDUCE, np.full(3, rank + i, np.float32), f"run.early.{i}",
+                    op=OPS["Sum"]) for i in range(5)]
+    got = _engine.run(_engine.ALLREDUCE, [np.ones(9, np.float32)], ["run.late"], op=OPS["Sum"])
+    check("run.late", got[0], np.full(9, size), exact=True)
+    for i, h in enumerate(early):
+        check(f"run.early.{i}", h.wait(), np.full(3, sum(r + i for r in range(size))), exact=True)
+    # A slow rank: the others' drive gives up spinning and the background thread finishes.
+    if rank == 0:
+        time.sleep(0.3)
+    got = _engine.run(_engine.ALLREDUCE, [np.ones(4, np.float32)], ["run.slow"], op=OPS["Sum"])
+    check("run.slow", got[0], np.full(4, size), exact=True)
+    # A refused request raises after the call; the rest of the call still completes.
+    x = np.zeros(4 + (rank == 1), np.float32)
+    try:
+        _engine.run(_engine.ALLREDUCE, [np.ones(2, np.float32), x], ["run.ok", "run.bad"],
+                    op=OPS["Sum"])
+        fail("run() with mismatched shapes did not raise")
+    except ValueError as e:
+        if "run.bad" not in str(e):
+            fail(f"run() error does not name the tensor: {e}")
+    try:
+        _engine.run(_engine.ALLREDUCE, [np.ones(2, np.float32)], ["a", "b"])
+        fail("run() with a name too many did not raise")
+    except ValueError as e:
+        if "one name per array" not in str(e):
+            fail(f"run() with a name too many: unexpected error {e}")
+
+
+def test_threads(rank, size):
+    """Several Python threads wait (and so drive the engine) at once. Each thread runs its
+    collectives one after another in the same order on every rank (it waits for each before
+    submitting the next); the threads interleave differently on each rank."""
+    results, errors = {}, []
+
+    def worker(t):
+        try:
+            order = list(range(30))
+            random.Random(t).shuffle(order)
+            for i in order:
+                name = f"thr.{t}.{i}"
+                x = np.full(1 + i * 11, float(rank + t + i), np.float32)
+                if i % 2:
+                    results[name] = _engine.run(_engine.ALLREDUCE, [x], [name], op=OPS["Sum"])[0]
+                else:
+                    results[name] = submit(_engine.ALLREDUCE, x, name, op=OPS["Sum"]).wait()
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+        if th.is_alive():
+            fail("a waiting thread did not finish")
+    if errors:
+        fail(f"a thread failed: {errors[0]}")
+    for t in range(3):
+        for i in range(30):
+            want = np.full(1 + i * 11, sum(float(r + t + i) for r in range(size)))
+            check(f"thr.{t}.{i}", results[f"thr.{t}.{i}"], want, exact=True)
+
+
 def test_restart(rank, size):
     # A request no other rank submits is pending when shutdown() is called: it fails, naming
     # this rank's shutdown or the rank whose shutdown came first.
@@ -472,7 +555,8 @@ def main():
                  test_broadcast, test_out_of_order, test_fusion, test_compression, test_transport,
                  test_objects,
                  test_mismatch,
-                 test_duplicate_name, test_cache, test_join, test_restart):
+                 test_duplicate_name, test_cache, test_join, test_run, test_threads,
+                 test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)
 
