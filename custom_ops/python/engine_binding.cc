@@ -125,7 +125,7 @@ class Handle {
 
  private:
   void WaitFinished() {
-    kr_drive(&Completion::Finished, completion_.get());
+    if (!Completion::Finished(completion_.get())) kr_drive(&Completion::Finished, completion_.get());
     std::unique_lock<std::mutex> lock(completion_->mu);
     completion_->cv.wait(lock, [&] { return completion_->finished; });
   }
