@@ -34,6 +34,9 @@ constexpr int kCoordinator = 0;
 constexpr int kSpinPasses = 32;
 constexpr auto kMaxPollSleep = std::chrono::microseconds(1000);
 
+// Set while this thread runs a pass of the loop (see Drive).
+thread_local bool running_pass = false;
+
 // A caller lending its thread (Drive) spins this long without progress
 // before it hands over. Measured (docs/performance.md): 32 passes, as the
 // background thread spins, handed over too soon when the ranks were tens of
@@ -627,6 +630,10 @@ void Engine::Loop() {
 }
 
 void Engine::Drive(int (*finished)(void* ctx), void* ctx) {
+  // A callback run by a pass may submit and drive again (a TF kernel that
+  // TensorFlow starts from another kernel's completion): the pass this
+  // thread is already running takes care of it.
+  if (running_pass) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (loop_over_ || !running_) return;
@@ -664,6 +671,10 @@ void Engine::Drive(int (*finished)(void* ctx), void* ctx) {
 }
 
 bool Engine::Step(bool* progress) {
+  running_pass = true;
+  struct Clear {
+    ~Clear() { running_pass = false; }
+  } clear;
   try {
     if (Pass(progress)) return true;
     // Every rank sends the coordinator exactly one shutdown message (its own
