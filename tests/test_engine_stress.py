@@ -41,9 +41,8 @@ SETTING_NAMES = ["KERAS_RING_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD",
 def test_randomised_order_stress(run_ranks, monkeypatch, np_, case, settings, fuses):
     if np_ == 3 and not os.environ.get("KR_STRESS_KNOWN_HANG"):
         # Found in session 5 (2026-11-30), in the code before that session's change too: at 3
-        # ranks this test hangs in about 1 run in 3-10, always just after step 9 or 29 (the
-        # steps after which stable names change their specs), with the ranks in collectives of
-        # different process sets (rank 0 in set P's shared-memory allreduce waiting for rank 2;
+        # ranks this test hangs in about 1 run in 3-10 (seen between steps 10 and 39), with the
+        # ranks in collectives of different process sets (rank 0 in set P's shared-memory allreduce waiting for rank 2;
         # rank 2 in set Q's broadcast waiting for rank 1; rank 1 in another broadcast). Not yet
         # fixed; KR_STRESS_KNOWN_HANG=1 runs it (see the performance issue's closing note of
         # session 5 for the loop that reproduces it and the stacks).
