@@ -1424,7 +1424,7 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
     return all != 0;
   };
   std::string why;
-  // Waiting in shared memory, the engine thread makes no MPI calls of its
+  // Waiting in shared memory, the loop's thread makes no MPI calls of its
   // own: drive MPI's progress so that control messages it has sent (which
   // MPI may move only while the sender calls it) reach their ranks.
   auto progress = [this] {

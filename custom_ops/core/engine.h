@@ -1,6 +1,7 @@
-// The per-process engine: a request queue and a background thread that
-// negotiates with the other ranks, runs the agreed collectives over a
-// Transport and completes requests through their callbacks.
+// The per-process engine: a request queue and a loop, run by a background
+// thread or by a caller that waits (Drive), that negotiates with the other
+// ranks, runs the agreed collectives over a Transport and completes requests
+// through their callbacks.
 #pragma once
 
 #include <mpi.h>
@@ -178,7 +179,7 @@ class Engine {
   void StopAccepting(kr_status status, const std::string& message);
   void ReapSends();
 
-  // Shared between framework threads and the background thread.
+  // Shared between framework threads and the thread running the loop.
   mutable std::mutex mu_;
   std::condition_variable cv_;  // the background thread waits on it
   std::deque<Request> queue_;
@@ -216,7 +217,7 @@ class Engine {
   // Control messages in flight with the bytes they send from.
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
   // The settings the autotuner may change; written under mu_ (read by
-  // parameters()), read without it by the background thread.
+  // parameters()), read without it by the thread running the loop.
   TunedParams params_;
   std::unique_ptr<Autotuner> autotuner_;  // rank 0, while KERAS_RING_AUTOTUNE tunes
   bool autotune_ = false;

@@ -18,8 +18,9 @@ namespace py = pybind11;
 
 namespace {
 
-// Completion state shared by the engine thread and Python. Holds no Python
-// objects: the engine thread must never touch them.
+// Completion state shared by the engine's thread and Python. Holds no Python
+// objects: the engine's thread (which may be a waiting caller without the
+// GIL) must never touch them.
 struct Completion {
   std::mutex mu;
   std::condition_variable cv;
@@ -123,6 +124,8 @@ class Handle {
     return out;
   }
 
+  Completion* completion() const { return completion_.get(); }
+
  private:
   void WaitFinished() {
     if (!Completion::Finished(completion_.get())) kr_drive(&Completion::Finished, completion_.get());
@@ -152,7 +155,6 @@ struct Prepared {
   kr_request request{};
   std::string name;
   std::vector<int64_t> shape;
-  std::shared_ptr<Completion> completion;
   std::unique_ptr<Handle> handle;
 };
 
@@ -199,7 +201,6 @@ std::unique_ptr<Prepared> Prepare(const Args& a, py::array array, std::string na
   r.allocate_output = &Completion::Allocate;
   r.done = &Completion::Done;
   r.ctx = new std::shared_ptr<Completion>(completion);
-  p->completion = completion;
   p->handle = std::make_unique<Handle>(std::move(input), std::move(output), std::move(completion));
   return p;
 }
@@ -248,7 +249,7 @@ py::list Run(int collective, const std::vector<py::array>& arrays,
   for (size_t i = 0; i < arrays.size(); ++i) {
     prepared.push_back(Prepare(a, arrays[i], names[i]));
     requests.push_back(prepared.back()->request);
-    all.completions.push_back(prepared.back()->completion.get());
+    all.completions.push_back(prepared.back()->handle->completion());
   }
   {
     py::gil_scoped_release release;
