@@ -312,7 +312,7 @@ kr_status Engine::Init(std::string* error) {
   for (int r = 0; r < topology_.size; ++r) world.ranks.push_back(r);
   world.rank = topology_.rank;
   world.comm = data_comm_;
-  world.transport = std::make_unique<MpiTransport>(data_comm_);
+  world.transport = std::make_unique<MpiTransport>(data_comm_, [this] { DrainControl(); });
   if (coordinating_) world.coordinator = std::make_unique<Coordinator>(world.size(), cache_capacity_);
   try {
     SetUpSharedMemory(world, 0);
@@ -337,6 +337,7 @@ kr_status Engine::Init(std::string* error) {
   set_ranks_ = {{0, world.ranks}};
   decided_.clear();
   decided_since_ = {};
+  inbox_.clear();
   queue_.clear();
   shutdown_requested_ = false;
   shutdown_sent_ = false;
@@ -855,17 +856,29 @@ std::vector<char> ReceiveProbed(MPI_Comm comm, const MPI_Status& status) {
 
 }  // namespace
 
-bool Engine::ReceiveReadyLists() {
-  bool any = false;
+void Engine::DrainControl() {
+  // The coordinator receives ready lists from every rank; the others,
+  // response lists from the coordinator.
+  const int source = coordinating_ ? MPI_ANY_SOURCE : kCoordinator;
+  const int tag = coordinating_ ? kTagReady : kTagResponse;
   for (;;) {
     int flag = 0;
     MPI_Status status;
-    CheckMpi(MPI_Iprobe(MPI_ANY_SOURCE, kTagReady, control_comm_, &flag, &status), "MPI_Iprobe");
-    if (!flag) return any;
-    any = true;
-    AddToCoordinator(status.MPI_SOURCE,
-                     DeserializeReadyList(ReceiveProbed(control_comm_, status)));
+    CheckMpi(MPI_Iprobe(source, tag, control_comm_, &flag, &status), "MPI_Iprobe (control)");
+    if (!flag) return;
+    inbox_.emplace_back(status.MPI_SOURCE, ReceiveProbed(control_comm_, status));
   }
+}
+
+bool Engine::ReceiveReadyLists() {
+  DrainControl();
+  const bool any = !inbox_.empty();
+  while (!inbox_.empty()) {
+    auto [source, bytes] = std::move(inbox_.front());
+    inbox_.pop_front();
+    AddToCoordinator(source, DeserializeReadyList(bytes));
+  }
+  return any;
 }
 
 bool Engine::ReceiveOnCoordinator(ResponseList* out) {
@@ -929,11 +942,10 @@ void Engine::SendResponses(const ResponseList& list) {
 }
 
 bool Engine::ReceiveResponses(ResponseList* out) {
-  int flag = 0;
-  MPI_Status status;
-  CheckMpi(MPI_Iprobe(kCoordinator, kTagResponse, control_comm_, &flag, &status), "MPI_Iprobe");
-  if (!flag) return false;
-  *out = DeserializeResponses(ReceiveProbed(control_comm_, status));
+  if (inbox_.empty()) DrainControl();
+  if (inbox_.empty()) return false;
+  *out = DeserializeResponses(inbox_.front().second);
+  inbox_.pop_front();
   return true;
 }
 
@@ -1362,7 +1374,7 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
            "MPI_Comm_split (process set)");
   if (set.rank >= 0) {
     MPI_Comm_set_errhandler(set.comm, MPI_ERRORS_RETURN);
-    set.transport = std::make_unique<MpiTransport>(set.comm);
+    set.transport = std::make_unique<MpiTransport>(set.comm, [this] { DrainControl(); });
     SetUpSharedMemory(set, *id);
   }
   if (coordinating_) {
@@ -1424,15 +1436,12 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
     return all != 0;
   };
   std::string why;
-  // Waiting in shared memory, the loop's thread makes no MPI calls of its
-  // own: drive MPI's progress so that control messages it has sent (which
-  // MPI may move only while the sender calls it) reach their ranks.
-  auto progress = [this] {
-    int flag = 0;
-    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, control_comm_, &flag, MPI_STATUS_IGNORE);
-  };
+  // Waiting in shared memory, the loop's thread receives its control
+  // messages (see DrainControl), which also drives MPI's progress, so that
+  // control messages it has sent (which MPI may move only while the sender
+  // calls it) reach their ranks.
   set.shm = ShmGroup::Create(local_rank, local_world, key, slot_bytes, all_agree, &why,
-                             progress);
+                             [this] { DrainControl(); });
   if (!set.shm && !why.empty()) {
     std::fprintf(stderr,
                  "keras-ring: warning: rank %d cannot use shared memory (%s); process set %d "
@@ -1444,7 +1453,7 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
     CheckMpi(MPI_Comm_split(set.comm, local_rank, set.rank, &set.cross_comm),
              "MPI_Comm_split (hierarchical)");
     MPI_Comm_set_errhandler(set.cross_comm, MPI_ERRORS_RETURN);
-    set.cross = std::make_unique<MpiTransport>(set.cross_comm);
+    set.cross = std::make_unique<MpiTransport>(set.cross_comm, [this] { DrainControl(); });
   }
 }
 

@@ -129,7 +129,15 @@ class Engine {
   // list; false if it was refused (and completed).
   bool Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready);
   void SendReadyList(ReadyList list);
-  bool ReceiveReadyLists();  // rank 0: records incoming ready lists
+  // Receives the control messages that have arrived for this rank (ready
+  // lists on the coordinator, response lists elsewhere) into inbox_. Called
+  // by every pass and, through the transports, while a collective waits:
+  // MPICH keeps an unreceived small message in the sender's share of its
+  // shared-memory queues, so a rank that let them pile up while it waited
+  // (for a rank busy in another process set's collectives, say) could leave
+  // a peer without room to send the very data that rank waits for.
+  void DrainControl();
+  bool ReceiveReadyLists();  // rank 0: records the ready lists received
   void AddToCoordinator(int world_rank, ReadyList list);
   bool ReceiveOnCoordinator(ResponseList* out);
   bool ReceiveResponses(ResponseList* out);
@@ -214,6 +222,8 @@ class Engine {
   bool coordinating_ = false;                      // world rank 0
   std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
   std::chrono::steady_clock::time_point decided_since_;  // when decided_ became non-empty
+  // Control messages received, not yet handled: (source, bytes).
+  std::deque<std::pair<int, std::vector<char>>> inbox_;
   // Control messages in flight with the bytes they send from.
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
   // The settings the autotuner may change; written under mu_ (read by

@@ -4,13 +4,18 @@
 
 #include <mpi.h>
 
+#include <functional>
+
 #include "transport.h"
 
 namespace keras_ring {
 
 class MpiTransport : public Transport {
  public:
-  explicit MpiTransport(MPI_Comm comm);
+  // `while_waiting`, if given, is called now and then while a Wait() lasts
+  // (the engine receives its control messages there: see
+  // Engine::DrainControl).
+  explicit MpiTransport(MPI_Comm comm, std::function<void()> while_waiting = nullptr);
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   PendingPtr Isend(const void* buf, size_t bytes, int peer, int tag) override;
@@ -18,6 +23,7 @@ class MpiTransport : public Transport {
 
  private:
   MPI_Comm comm_;
+  std::function<void()> while_waiting_;
   int rank_ = 0;
   int size_ = 1;
 };
