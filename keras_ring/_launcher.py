@@ -82,6 +82,46 @@ _SIGNALS_BY_DESCRIPTION = {
 _FORKER_SEGMENT_FORMATS = ("/dev/shm/mpich_shm_{:x}_0", "/dev/shm/mpich_vci_{:x}_0")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """A horovodrun-style option that sets one engine variable in every rank's environment."""
+
+    flag: str
+    variable: str
+    kind: str  # "mb" (MiB to bytes), "ms", "seconds", "count", "path", "on" or "level"
+    help: str
+
+
+_SETTINGS = (
+    _Setting("--fusion-threshold-mb", "KERAS_RING_FUSION_THRESHOLD", "mb",
+             "fusion buffer size in MiB (0: no fusion)"),
+    _Setting("--cycle-time-ms", "KERAS_RING_CYCLE_TIME", "ms",
+             "how long agreed tensors wait for others to fuse with, in ms"),
+    _Setting("--cache-capacity", "KERAS_RING_CACHE_CAPACITY", "count",
+             "tensor names the response cache holds (0: no cache)"),
+    _Setting("--autotune", "KERAS_RING_AUTOTUNE", "on", "tune the settings while training"),
+    _Setting("--autotune-log-file", "KERAS_RING_AUTOTUNE_LOG", "path",
+             "CSV file of the autotuner's trials"),
+    _Setting("--autotune-warmup-samples", "KERAS_RING_AUTOTUNE_WARMUP_SAMPLES", "count",
+             "samples the autotuner discards first"),
+    _Setting("--autotune-steps-per-sample", "KERAS_RING_AUTOTUNE_STEPS_PER_SAMPLE", "count",
+             "steps per autotuner sample"),
+    _Setting("--timeline-filename", "KERAS_RING_TIMELINE", "path",
+             "record every rank's timeline (trace.json: trace.rank0.json, ...)"),
+    _Setting("--timeline-mark-cycles", "KERAS_RING_TIMELINE_MARK_CYCLES", "on",
+             "mark the engine's cycles in the timeline"),
+    _Setting("--stall-check-warning-time-seconds", "KERAS_RING_STALL_CHECK_TIME", "seconds",
+             "warn about tensors some ranks wait for this long"),
+    _Setting("--stall-check-shutdown-time-seconds", "KERAS_RING_STALL_SHUTDOWN_TIME", "seconds",
+             "fail tensors some ranks wait for this long (0: never)"),
+    _Setting("--log-level", "KERAS_RING_LOG_LEVEL", "level",
+             "trace, debug, info, warning, error or fatal"),
+    _Setting("--log-hide-timestamp", "KERAS_RING_LOG_HIDE_TIME", "on",
+             "leave the time out of log lines"),
+)
+_LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+
+
 class LaunchError(Exception):
     """A problem `keras-ring-run` explains in one paragraph before exiting with 2."""
 
@@ -254,6 +294,24 @@ def parse_args(argv):
     parser.add_argument(
         "--verbose", action="store_true", help="print the launcher command before running it"
     )
+    tuning = parser.add_argument_group(
+        "settings", "as horovodrun's; each sets a KERAS_RING_* variable in every rank's "
+        "environment (docs/launching.md)")
+    for setting in _SETTINGS:
+        dest = setting.flag[2:].replace("-", "_")
+        if setting.kind == "on":
+            tuning.add_argument(setting.flag, dest=dest, action="store_true", help=setting.help)
+        else:
+            tuning.add_argument(setting.flag, dest=dest, metavar=setting.kind.upper(),
+                                help=setting.help)
+    hierarchy = tuning.add_mutually_exclusive_group()
+    hierarchy.add_argument("--hierarchical-allreduce", dest="hierarchical_allreduce",
+                           action="store_true", default=None,
+                           help="across hosts: reduce within each host first (the default)")
+    hierarchy.add_argument("--no-hierarchical-allreduce", dest="hierarchical_allreduce",
+                           action="store_false", help="across hosts: one flat allreduce")
+    tuning.add_argument("--no-stall-check", action="store_true",
+                        help="no stall warnings (nor the shutdown after a stall)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command of every rank")
     options = parser.parse_args(argv)
     if options.command[:1] == ["--"]:
@@ -266,7 +324,53 @@ def parse_args(argv):
         parser.error("give -H or --hostfile, not both.")
     if options.hosts is not None:
         options.hosts = _parse_hosts(options.hosts, parser)
+    options.settings = _settings(options, parser)
     return options
+
+
+def _settings(options, parser):
+    """The engine variables the options set, checked: {name: value}."""
+    settings = {}
+    for setting in _SETTINGS:
+        value = getattr(options, setting.flag[2:].replace("-", "_"))
+        if value is None or value is False:
+            continue
+        if setting.kind == "on":
+            settings[setting.variable] = "1"
+            continue
+        if setting.kind == "path":
+            if not value:
+                parser.error(f"{setting.flag} needs a file name.")
+            settings[setting.variable] = value
+            continue
+        if setting.kind == "level":
+            if value.lower() not in _LOG_LEVELS:
+                parser.error(f"{setting.flag} must be one of {', '.join(_LOG_LEVELS)}. "
+                             f"Received: {setting.flag}={value}")
+            settings[setting.variable] = value.lower()
+            continue
+        try:
+            number = int(value) if setting.kind == "count" else float(value)
+        except ValueError:
+            number = None
+        if number is None or number < 0 or number != number or number == float("inf"):
+            what = "a whole number" if setting.kind == "count" else "a number"
+            parser.error(f"{setting.flag} must be {what} of 0 or more. "
+                         f"Received: {setting.flag}={value}")
+        if setting.kind == "mb":
+            number = int(number * 1024 * 1024)
+        settings[setting.variable] = str(number)
+    if options.hierarchical_allreduce is not None:
+        settings["KERAS_RING_HIERARCHICAL_ALLREDUCE"] = str(int(options.hierarchical_allreduce))
+    if options.no_stall_check:
+        given = [f for f in ("--stall-check-warning-time-seconds",
+                             "--stall-check-shutdown-time-seconds")
+                 if getattr(options, f[2:].replace("-", "_")) is not None]
+        if given:
+            parser.error(f"--no-stall-check turns the stall check off; {given[0]} contradicts it.")
+        settings["KERAS_RING_STALL_CHECK_TIME"] = "0"
+        settings["KERAS_RING_STALL_SHUTDOWN_TIME"] = "0"
+    return settings
 
 
 def _parse_hosts(spec, parser):
@@ -345,11 +449,13 @@ def launcher_env(launcher, options, environ):
         environ: The environment to pass through, usually `os.environ`.
 
     Returns:
-        `environ` with `PYTHONUNBUFFERED=1` and, for a one-host job, the
-        settings that keep the MPI library's sockets on loopback.
+        `environ` with `PYTHONUNBUFFERED=1`, the engine variables the options
+        set (over the same variables in `environ`) and, for a one-host job,
+        the settings that keep the MPI library's sockets on loopback.
     """
     env = dict(environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(options.settings)
     if is_local_job(options):
         loopback = _OPEN_MPI_LOOPBACK_ENV if launcher.vendor == "Open MPI" else _MPICH_LOOPBACK_ENV
         for name, value in loopback.items():

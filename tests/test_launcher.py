@@ -76,6 +76,58 @@ def test_bad_arguments_are_explained_with_exit_code_2(capfd, argv, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv, variables",
+    [
+        (["--fusion-threshold-mb", "64"], {"KERAS_RING_FUSION_THRESHOLD": str(64 << 20)}),
+        (["--fusion-threshold-mb", "0.5"], {"KERAS_RING_FUSION_THRESHOLD": str(1 << 19)}),
+        (["--cycle-time-ms", "3.5"], {"KERAS_RING_CYCLE_TIME": "3.5"}),
+        (["--cache-capacity", "0"], {"KERAS_RING_CACHE_CAPACITY": "0"}),
+        (["--hierarchical-allreduce"], {"KERAS_RING_HIERARCHICAL_ALLREDUCE": "1"}),
+        (["--no-hierarchical-allreduce"], {"KERAS_RING_HIERARCHICAL_ALLREDUCE": "0"}),
+        (["--autotune", "--autotune-log-file", "tune.csv", "--autotune-warmup-samples", "2",
+          "--autotune-steps-per-sample", "5"],
+         {"KERAS_RING_AUTOTUNE": "1", "KERAS_RING_AUTOTUNE_LOG": "tune.csv",
+          "KERAS_RING_AUTOTUNE_WARMUP_SAMPLES": "2", "KERAS_RING_AUTOTUNE_STEPS_PER_SAMPLE": "5"}),
+        (["--timeline-filename", "t.json", "--timeline-mark-cycles"],
+         {"KERAS_RING_TIMELINE": "t.json", "KERAS_RING_TIMELINE_MARK_CYCLES": "1"}),
+        (["--stall-check-warning-time-seconds", "30", "--stall-check-shutdown-time-seconds", "90"],
+         {"KERAS_RING_STALL_CHECK_TIME": "30.0", "KERAS_RING_STALL_SHUTDOWN_TIME": "90.0"}),
+        (["--no-stall-check"],
+         {"KERAS_RING_STALL_CHECK_TIME": "0", "KERAS_RING_STALL_SHUTDOWN_TIME": "0"}),
+        (["--log-level", "DEBUG", "--log-hide-timestamp"],
+         {"KERAS_RING_LOG_LEVEL": "debug", "KERAS_RING_LOG_HIDE_TIME": "1"}),
+        ([], {}),
+    ],
+)
+def test_horovodrun_settings_become_engine_variables(argv, variables):
+    parsed = options("-np", "2", *argv)
+    assert parsed.settings == variables
+    # Over the same variables inherited from the shell.
+    env = _launcher.launcher_env(HYDRA, parsed, {name: "inherited" for name in variables})
+    assert {name: env[name] for name in variables} == variables
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--fusion-threshold-mb", "-1"], "--fusion-threshold-mb must be a number of 0 or more. "
+                                          "Received: --fusion-threshold-mb=-1"),
+        (["--cycle-time-ms", "fast"], "Received: --cycle-time-ms=fast"),
+        (["--cache-capacity", "1.5"], "--cache-capacity must be a whole number"),
+        (["--log-level", "loud"], "--log-level must be one of trace, debug"),
+        (["--timeline-filename", ""], "--timeline-filename needs a file name"),
+        (["--no-stall-check", "--stall-check-shutdown-time-seconds", "9"], "contradicts it"),
+        (["--hierarchical-allreduce", "--no-hierarchical-allreduce"], "not allowed with"),
+    ],
+)
+def test_bad_settings_are_explained_with_exit_code_2(capfd, argv, message):
+    code, err = run_main(capfd, "-np", "2", *argv, "ls")
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
 def test_command_may_follow_a_double_dash():
     parsed = _launcher.parse_args(["-np", "2", "--", "python", "-H", "x.py"])
     assert parsed.command == ["python", "-H", "x.py"]
@@ -404,6 +456,26 @@ def test_every_rank_runs_and_its_lines_are_tagged():
     for rank in range(2):
         (line,) = [line for line in output.splitlines() if line.endswith(f"rank {rank}")]
         assert re.match(rf"(\[{rank}\] |{rank}>|\[\d+,{rank}\]<stdout>:)", line), line
+
+
+@pytest.mark.multirank
+def test_settings_reach_every_ranks_engine():
+    script = (
+        "import json, os, keras_ring as kr\n"
+        "from keras_ring import _engine\n"
+        "kr.init()\n"
+        "os.write(1, ('params ' + json.dumps(_engine.parameters()) + '\\n').encode())\n"
+        "kr.shutdown()"
+    )
+    with launch("-np", "2", "--fusion-threshold-mb", "1.5", "--cycle-time-ms", "2.5",
+                sys.executable, "-c", script) as job:
+        output, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, output
+    params = [json.loads(line.split("params ", 1)[1]) for line in output.splitlines()
+              if "params " in line]
+    assert len(params) == 2, output
+    for p in params:
+        assert p["fusion_threshold"] == 3 << 19 and p["cycle_time_ms"] == 2.5, output
 
 
 RANK_1_SCRIPT = (
