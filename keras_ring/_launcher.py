@@ -91,6 +91,10 @@ class _Setting:
     kind: str  # "mb" (MiB to bytes), "ms", "seconds", "count", "path", "on" or "level"
     help: str
 
+    @property
+    def dest(self):
+        return self.flag[2:].replace("-", "_")
+
 
 _SETTINGS = (
     _Setting("--fusion-threshold-mb", "KERAS_RING_FUSION_THRESHOLD", "mb",
@@ -298,11 +302,11 @@ def parse_args(argv):
         "settings", "as horovodrun's; each sets a KERAS_RING_* variable in every rank's "
         "environment (docs/launching.md)")
     for setting in _SETTINGS:
-        dest = setting.flag[2:].replace("-", "_")
         if setting.kind == "on":
-            tuning.add_argument(setting.flag, dest=dest, action="store_true", help=setting.help)
+            tuning.add_argument(setting.flag, dest=setting.dest, action="store_true",
+                                help=setting.help)
         else:
-            tuning.add_argument(setting.flag, dest=dest, metavar=setting.kind.upper(),
+            tuning.add_argument(setting.flag, dest=setting.dest, metavar=setting.kind.upper(),
                                 help=setting.help)
     hierarchy = tuning.add_mutually_exclusive_group()
     hierarchy.add_argument("--hierarchical-allreduce", dest="hierarchical_allreduce",
@@ -332,7 +336,7 @@ def _settings(options, parser):
     """The engine variables the options set, checked: {name: value}."""
     settings = {}
     for setting in _SETTINGS:
-        value = getattr(options, setting.flag[2:].replace("-", "_"))
+        value = getattr(options, setting.dest)
         if value is None or value is False:
             continue
         if setting.kind == "on":
@@ -353,7 +357,7 @@ def _settings(options, parser):
             number = int(value) if setting.kind == "count" else float(value)
         except ValueError:
             number = None
-        if number is None or number < 0 or number != number or number == float("inf"):
+        if number is None or not 0 <= number < float("inf"):  # NaN fails too
             what = "a whole number" if setting.kind == "count" else "a number"
             parser.error(f"{setting.flag} must be {what} of 0 or more. "
                          f"Received: {setting.flag}={value}")
@@ -363,9 +367,8 @@ def _settings(options, parser):
     if options.hierarchical_allreduce is not None:
         settings["KERAS_RING_HIERARCHICAL_ALLREDUCE"] = str(int(options.hierarchical_allreduce))
     if options.no_stall_check:
-        given = [f for f in ("--stall-check-warning-time-seconds",
-                             "--stall-check-shutdown-time-seconds")
-                 if getattr(options, f[2:].replace("-", "_")) is not None]
+        given = [s.flag for s in _SETTINGS
+                 if s.kind == "seconds" and getattr(options, s.dest) is not None]
         if given:
             parser.error(f"--no-stall-check turns the stall check off; {given[0]} contradicts it.")
         settings["KERAS_RING_STALL_CHECK_TIME"] = "0"

@@ -312,7 +312,7 @@ kr_status Engine::Init(std::string* error) {
   for (int r = 0; r < topology_.size; ++r) world.ranks.push_back(r);
   world.rank = topology_.rank;
   world.comm = data_comm_;
-  world.transport = std::make_unique<MpiTransport>(data_comm_, [this] { DrainControl(); });
+  world.transport = NewTransport(data_comm_);
   if (coordinating_) world.coordinator = std::make_unique<Coordinator>(world.size(), cache_capacity_);
   try {
     SetUpSharedMemory(world, 0);
@@ -870,6 +870,10 @@ void Engine::DrainControl() {
   }
 }
 
+std::unique_ptr<Transport> Engine::NewTransport(MPI_Comm comm) {
+  return std::make_unique<MpiTransport>(comm, [this] { DrainControl(); });
+}
+
 bool Engine::ReceiveReadyLists() {
   DrainControl();
   const bool any = !inbox_.empty();
@@ -1374,7 +1378,7 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
            "MPI_Comm_split (process set)");
   if (set.rank >= 0) {
     MPI_Comm_set_errhandler(set.comm, MPI_ERRORS_RETURN);
-    set.transport = std::make_unique<MpiTransport>(set.comm, [this] { DrainControl(); });
+    set.transport = NewTransport(set.comm);
     SetUpSharedMemory(set, *id);
   }
   if (coordinating_) {
@@ -1453,7 +1457,7 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
     CheckMpi(MPI_Comm_split(set.comm, local_rank, set.rank, &set.cross_comm),
              "MPI_Comm_split (hierarchical)");
     MPI_Comm_set_errhandler(set.cross_comm, MPI_ERRORS_RETURN);
-    set.cross = std::make_unique<MpiTransport>(set.cross_comm, [this] { DrainControl(); });
+    set.cross = NewTransport(set.cross_comm);
   }
 }
 

@@ -137,6 +137,8 @@ class Engine {
   // (for a rank busy in another process set's collectives, say) could leave
   // a peer without room to send the very data that rank waits for.
   void DrainControl();
+  // An MPI transport over `comm` whose waits drain the control messages.
+  std::unique_ptr<Transport> NewTransport(MPI_Comm comm);
   bool ReceiveReadyLists();  // rank 0: records the ready lists received
   void AddToCoordinator(int world_rank, ReadyList list);
   bool ReceiveOnCoordinator(ResponseList* out);

@@ -69,9 +69,10 @@ class ShmGroup {
   // after it), `slot_bytes` and `world_ranks` (used to name ranks in errors).
   // `all_agree(ok)` must return whether every rank passed true, and act as a
   // barrier. `progress`, if given, is called now and then while a wait lasts:
-  // the engine drives MPI there, so that a message this rank is sending (say
-  // a large control message, which MPI may only move while the sender is in
-  // an MPI call) can reach a peer that needs it before it can join. Returns null (on every rank) if any rank could not create or
+  // the engine receives its control messages there, which also drives MPI,
+  // so that a message this rank is sending (say a large control message,
+  // which MPI may only move while the sender is in an MPI call) can reach a
+  // peer that needs it before it can join. Returns null (on every rank) if any rank could not create or
   // map a segment; *why then holds this rank's own reason, or is empty if
   // the failure was another rank's.
   static std::unique_ptr<ShmGroup> Create(int rank, const std::vector<int>& world_ranks,

@@ -35,18 +35,14 @@ class MpiPending : public Pending {
   }
   void Wait() override {
     MPI_Status status;
-    if (!while_waiting_) {
-      CheckMpi(MPI_Wait(&request_, &status), is_recv_ ? "MPI_Wait (receive)" : "MPI_Wait (send)");
-    } else {
-      // MPI_Wait's own loop, with the engine's call now and then.
-      for (unsigned tests = 1;; ++tests) {
-        int done = 0;
-        CheckMpi(MPI_Test(&request_, &done, &status),
-                 is_recv_ ? "MPI_Test (receive)" : "MPI_Test (send)");
-        if (done) break;
-        if (tests % kTestsPerCall == 0) while_waiting_();
-        std::this_thread::yield();
-      }
+    // MPI_Wait's own loop, with the transport's call now and then.
+    for (unsigned tests = 1;; ++tests) {
+      int done = 0;
+      CheckMpi(MPI_Test(&request_, &done, &status),
+               is_recv_ ? "MPI_Test (receive)" : "MPI_Test (send)");
+      if (done) break;
+      if (tests % kTestsPerCall == 0) while_waiting_();
+      std::this_thread::yield();
     }
     if (!is_recv_) return;
     int count = 0;

@@ -12,10 +12,9 @@ namespace keras_ring {
 
 class MpiTransport : public Transport {
  public:
-  // `while_waiting`, if given, is called now and then while a Wait() lasts
-  // (the engine receives its control messages there: see
-  // Engine::DrainControl).
-  explicit MpiTransport(MPI_Comm comm, std::function<void()> while_waiting = nullptr);
+  // `while_waiting` is called now and then while a Wait() lasts (the engine
+  // receives its control messages there: see Engine::DrainControl).
+  MpiTransport(MPI_Comm comm, std::function<void()> while_waiting);
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   PendingPtr Isend(const void* buf, size_t bytes, int peer, int tag) override;
