@@ -4,12 +4,13 @@
 
 For 100 x 4 KiB and 1000 x 1 KiB float32 tensors submitted together, rank 0
 prints the median time of: keras-ring through the engine binding, all
-tensors in one `run()` call, with fusion (KERAS_RING_FUSION_THRESHOLD's
-default) and without (threshold 0), and with one `submit()` per tensor;
-keras-ring's `grouped_allreduce` TF op (one op that submits every tensor
-from C++, as gradient reduction does); one keras-ring allreduce of the same
-total bytes; and one mpi4py `Allreduce` per tensor (what a naive
-per-gradient hook costs). Each is shown as a multiple of one mpi4py
+tensors in one `run()` call as one group (agreed as one name), as separate
+tensors with fusion (KERAS_RING_FUSION_THRESHOLD's default) and without
+(threshold 0), and with one `submit()` per tensor; keras-ring's
+`grouped_allreduce` TF op (one op whose tensors form a group, as gradient
+reduction submits them); one keras-ring allreduce of the same total bytes;
+and one mpi4py `Allreduce` per tensor (what a naive per-gradient hook
+costs). Each is shown as a multiple of one mpi4py
 `Allreduce` of the total bytes and of one keras-ring allreduce of the total
 (the performance issue's target: at most 1.5x). Writes JSON and a PNG plot to
 benchmarks/results/.
@@ -33,11 +34,11 @@ from keras_ring import _engine  # noqa: E402
 CASES = [(100, 4096), (1000, 1024)]
 
 
-def engine_many(tensors, tag):
+def engine_many(tensors, tag, group=""):
     names = [f"{tag}.{i}" for i in range(len(tensors))]
 
     def run():  # one call for all: the caller's thread runs the engine while it waits
-        _engine.run(_engine.ALLREDUCE, tensors, names, op=kr.Sum)
+        _engine.run(_engine.ALLREDUCE, tensors, names, op=kr.Sum, group=group)
     return run
 
 
@@ -54,6 +55,9 @@ def measure(comm, iters, fusion):
     """Times every method for every case with fusion on or off (engine re-initialised)."""
     kr.shutdown()
     os.environ["KERAS_RING_FUSION_THRESHOLD"] = str(64 << 20) if fusion else "0"
+    # Room in the response cache for every method's names, as a training loop's
+    # names (one set, step after step) would have.
+    os.environ["KERAS_RING_CACHE_CAPACITY"] = "8192"
     kr.init()
     rows = []
     for count, nbytes in CASES:
@@ -61,9 +65,11 @@ def measure(comm, iters, fusion):
         big = np.concatenate(tensors)
         out = np.empty_like(big)
         label = f"{count} x {nbytes // 1024} KiB"
-        methods = {f"keras-ring, fusion {'on' if fusion else 'off'}":
+        methods = {f"keras-ring, run(), fusion {'on' if fusion else 'off'}":
                    engine_many(tensors, f"{label}.{fusion}")}
         if fusion:
+            methods["keras-ring, run(), one group"] = engine_many(
+                tensors, f"{label}.group", group=f"{label}.group")
             methods["keras-ring, one submit() per tensor"] = engine_one_by_one(
                 tensors, f"{label}.submit")
             tf_tensors = [tf.constant(t) for t in tensors]

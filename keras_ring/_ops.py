@@ -284,9 +284,12 @@ def grouped_allreduce(
     """Reduces a list of tensors over all ranks as one operation.
 
     The tensors may have different dtypes; each must agree in shape and dtype
-    with its counterpart on the other ranks. Dense tensors are submitted
-    together, so the engine can fuse them; `tf.IndexedSlices` are gathered
-    as in `allreduce`.
+    with its counterpart on the other ranks. The dense tensors form one
+    group, which the ranks agree on as a unit (one name to negotiate instead
+    of one per tensor) and the engine fuses up to its fusion threshold: every
+    rank must pass the same tensors in the same order, and if one rank's
+    differ, every rank's call fails with an error naming the first tensor
+    that differs. `tf.IndexedSlices` are gathered as in `allreduce`.
 
     Args:
         tensors: A list of tensors (or `tf.IndexedSlices`).

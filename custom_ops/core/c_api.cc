@@ -56,13 +56,13 @@ kr_status kr_enqueue(const kr_request* request) {
   return Engine::Get().Enqueue(request, 1);
 }
 
-kr_status kr_enqueue_and_drive(const kr_request* requests, int n, int (*finished)(void* ctx),
-                               void* ctx) {
+kr_status kr_enqueue_and_drive(const kr_request* requests, int n, const char* group,
+                               int (*finished)(void* ctx), void* ctx) {
   if (n < 0 || (n > 0 && !requests) || !finished) return KR_INVALID_ARGUMENT;
   for (int i = 0; i < n; ++i) {
     if (!requests[i].done) return KR_INVALID_ARGUMENT;
   }
-  kr_status status = Engine::Get().Enqueue(requests, n, /*wake=*/false);
+  kr_status status = Engine::Get().Enqueue(requests, n, /*wake=*/false, group);
   Engine::Get().Drive(finished, ctx);
   return status;
 }

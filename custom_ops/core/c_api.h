@@ -174,8 +174,18 @@ KR_API void kr_drive(int (*finished)(void* ctx), void* ctx);
 /* kr_enqueue of requests[0..n) (the first refusal's status is returned),
  * then kr_drive: for a caller that waits for them at once. Unlike n calls of
  * kr_enqueue it does not wake the engine thread, which this thread stands in
- * for (and hands any unfinished work to when it returns). */
-KR_API kr_status kr_enqueue_and_drive(const kr_request* requests, int n,
+ * for (and hands any unfinished work to when it returns).
+ *
+ * With a group name (not NULL or empty) and n > 1, the requests are one
+ * group (a grouped op): allreduces of one process set, of any dtypes and
+ * ops, that every rank submits in one call under the same group name, with
+ * the same names in the same order. The ranks agree on the group as one
+ * unit (one name to negotiate and cache instead of n, which is most of the
+ * engine's cost per small tensor) and it runs as few fused allreduces as the
+ * fusion threshold allows. If the ranks' groups differ, every member fails
+ * on every rank with an error naming the first tensor that differs. Other
+ * collectives in a group are refused (each request's done says why). */
+KR_API kr_status kr_enqueue_and_drive(const kr_request* requests, int n, const char* group,
                                       int (*finished)(void* ctx), void* ctx);
 /* Process sets: subsets of the job's ranks that run collectives among
  * themselves. Every rank of the job must call these, in the same order, with

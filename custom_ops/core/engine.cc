@@ -488,7 +488,7 @@ kr_status Engine::Prepare(const kr_request& r, Request* out) {
   return KR_OK;
 }
 
-kr_status Engine::Enqueue(const kr_request* requests, int n, bool wake) {
+kr_status Engine::Enqueue(const kr_request* requests, int n, bool wake, const char* group) {
   std::vector<Request> prepared;
   prepared.reserve(n);
   kr_status status = KR_OK;
@@ -501,6 +501,31 @@ kr_status Engine::Enqueue(const kr_request* requests, int n, bool wake) {
     }
   }
   if (prepared.empty()) return status;
+  if (group && *group && n > 1) {
+    // A member refused here is missing from the group, which then fails on
+    // every rank as a disagreement instead of leaving the others waiting.
+    Request g;
+    g.meta = prepared[0].meta;
+    g.meta.name = group;
+    g.meta.shape.clear();
+    g.process_set = prepared[0].process_set;
+    g.submitted = prepared[0].submitted;
+    for (const Request& m : prepared) {
+      if (m.meta.collective != Collective::kAllreduce || m.process_set != g.process_set) {
+        const std::string why = "keras-ring: invalid group '" + g.meta.name +
+                                "': a group holds allreduces of one process set; tensor '" +
+                                m.meta.name + "' is " +
+                                (m.meta.collective != Collective::kAllreduce
+                                     ? "a " + std::string(CollectiveName(m.meta.collective))
+                                     : "of process set " + std::to_string(m.process_set));
+        for (const Request& r : prepared) r.Complete(KR_INVALID_ARGUMENT, why);
+        return KR_INVALID_ARGUMENT;
+      }
+    }
+    g.members = std::move(prepared);
+    prepared.clear();
+    prepared.push_back(std::move(g));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto refuse_all = [&](kr_status s, const std::string& why) {
     for (const Request& req : prepared) req.Complete(s, why + " (tensor '" + req.meta.name + "')");
@@ -529,6 +554,33 @@ bool Engine::InFlight() const {
   }
   return false;
 }
+
+namespace {
+
+// Whether `req` is the request cached as `cached` (a group: member by member,
+// without building the group's description).
+bool SameAsCached(const TensorMeta& cached, const Request& req) {
+  if (req.members.empty()) return cached == req.meta;
+  if (!cached.members || cached.members->size() != req.members.size() ||
+      cached.name != req.meta.name || !SameReduction(cached, req.meta)) {
+    return false;
+  }
+  for (size_t i = 0; i < req.members.size(); ++i) {
+    if (!((*cached.members)[i] == req.members[i].meta)) return false;
+  }
+  return true;
+}
+
+// Fills in a group's description of its members, to be sent or cached.
+void DescribeMembers(Request* req) {
+  if (req->members.empty() || req->meta.members) return;
+  auto members = std::make_shared<std::vector<TensorMeta>>();
+  members->reserve(req->members.size());
+  for (const Request& m : req->members) members->push_back(m.meta);
+  req->meta.members = std::move(members);
+}
+
+}  // namespace
 
 bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) {
   const std::string& name = req.meta.name;
@@ -575,10 +627,11 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
   list.process_set = req.process_set;
   ReadyList::Item item;
   auto cached = set.cache_ids.find(name);
-  if (cached != set.cache_ids.end() && set.cached[cached->second] == m) {
+  if (cached != set.cache_ids.end() && SameAsCached(set.cached[cached->second], req)) {
     item.cache_id = cached->second;
-    stats_.cached_tensors += 1;
+    stats_.cached_tensors += req.members.empty() ? 1 : req.members.size();
   } else {
+    DescribeMembers(&req);
     item.meta = m;
   }
   KR_LOG(kTrace, "submitted tensor '" + name + "' (" + m.Describe() + ")" +
@@ -586,8 +639,12 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
   list.items.push_back(std::move(item));
   if (timeline_.on()) {
     const bool since_submission = req.submitted != Timeline::Clock::time_point();
-    timeline_.Row(req.process_set, name)
-        .Begin("NEGOTIATE", since_submission ? req.submitted : Timeline::Clock::now());
+    const auto begin = since_submission ? req.submitted : Timeline::Clock::now();
+    // A group's members have a row each, as they would alone.
+    if (req.members.empty()) timeline_.Row(req.process_set, name).Begin("NEGOTIATE", begin);
+    for (const Request& member : req.members) {
+      timeline_.Row(req.process_set, member.meta.name).Begin("NEGOTIATE", begin);
+    }
   }
   set.joined = set.joined || m.collective == Collective::kJoin;
   set.pending.emplace(name, std::move(req));
@@ -977,6 +1034,24 @@ struct StandIn {
     return self->output.data();
   }
   static void Done(void*, kr_status, const char*) {}
+
+  // A request of `meta`'s description that this stand-in serves.
+  static Request For(const TensorMeta& meta, std::vector<std::unique_ptr<StandIn>>* keep) {
+    auto s = std::make_unique<StandIn>();
+    Request req;
+    req.meta = meta;
+    if (req.meta.collective == Collective::kAllgather) req.meta.shape[0] = 0;
+    s->element_bytes = DataTypeSize(req.meta.dtype);
+    s->input.assign(ElementCount(req.meta.shape) * s->element_bytes, 0);
+    s->output.resize(s->input.size());
+    req.input = s->input.data();
+    req.output = s->output.data();
+    req.allocate_output = &StandIn::Allocate;
+    req.done = &StandIn::Done;
+    req.ctx = s.get();
+    keep->push_back(std::move(s));
+    return req;
+  }
 };
 
 }  // namespace
@@ -1004,31 +1079,27 @@ void Engine::Execute(ResponseList& list) {
         auto it = set.pending.find(name);
         if (it == set.pending.end() && !resp.error.empty()) continue;  // stalled elsewhere
         if (it == set.pending.end() && set.joined && resp.send_metas) {
-          auto s = std::make_unique<StandIn>();
-          Request req;
-          req.meta = resp.metas[i];
-          if (req.meta.collective == Collective::kAllgather) req.meta.shape[0] = 0;
-          s->element_bytes = DataTypeSize(req.meta.dtype);
-          s->input.assign(ElementCount(req.meta.shape) * s->element_bytes, 0);
-          s->output.resize(s->input.size());
-          req.input = s->input.data();
-          req.output = s->output.data();
-          req.allocate_output = &StandIn::Allocate;
-          req.done = &StandIn::Done;
-          req.ctx = s.get();
-          stand_ins.push_back(std::move(s));
-          requests.push_back(std::move(req));
+          const TensorMeta& meta = resp.metas[i];
+          if (!meta.members) {
+            requests.push_back(StandIn::For(meta, &stand_ins));
+            continue;
+          }
+          for (const TensorMeta& m : *meta.members) requests.push_back(StandIn::For(m, &stand_ins));
           continue;
         }
         KR_CHECK(it != set.pending.end(), "the coordinator scheduled tensor '" + name +
                                               "', which this rank has not submitted");
+        Request& req = it->second;
         // A new cache entry: remember this rank's request under the id.
         if (id >= 0 && !resp.cached) {
           if (set.cached.size() <= size_t(id)) set.cached.resize(id + 1);
-          set.cached[id] = it->second.meta;
+          DescribeMembers(&req);
+          set.cached[id] = req.meta;
           set.cache_ids[name] = id;
         }
-        requests.push_back(std::move(it->second));
+        if (req.members.empty()) requests.push_back(std::move(req));
+        requests.reserve(requests.size() + req.members.size());
+        for (Request& m : req.members) requests.push_back(std::move(m));
         set.pending.erase(it);
       }
     } catch (const std::exception& e) {
@@ -1064,10 +1135,11 @@ void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Re
     return;
   }
   bool ok = true;
+  size_t collectives = 1;
   try {
     switch (requests[0].meta.collective) {
       case Collective::kAllreduce:
-        RunAllreduce(set, requests);
+        collectives = RunAllreduces(set, requests);
         break;
       case Collective::kBroadcast:
         RunBroadcast(set, requests[0]);
@@ -1105,10 +1177,12 @@ void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Re
     throw;
   }
   // A fused collective records its own phases.
-  if (requests.size() == 1) TracePhases(requests, {{"COMMUNICATE", started, timeline_.Now()}});
-  stats_.collectives += 1;
+  if (requests.size() == 1) {
+    TracePhases(requests.data(), requests.data() + 1,
+                {{"COMMUNICATE", started, timeline_.Now()}});
+  }
+  stats_.collectives += collectives;
   stats_.tensors += requests.size();
-  if (requests.size() > 1) stats_.fused_tensors += requests.size();
   if (!ok) return;
   for (const Request& req : requests) Complete(req, KR_OK, "");
 }
@@ -1135,11 +1209,11 @@ void Engine::TraceRunning(const ProcessSet& set, const std::vector<Request>& req
   }
 }
 
-void Engine::TracePhases(const std::vector<Request>& requests,
+void Engine::TracePhases(const Request* begin, const Request* end,
                          std::initializer_list<Phase> phases) {
   if (!timeline_.on() || phases.begin()->start == Timeline::Clock::time_point()) return;
-  for (const Request& req : requests) {
-    auto row = timeline_.Row(req.process_set, req.meta.name);
+  for (const Request* req = begin; req != end; ++req) {
+    auto row = timeline_.Row(req->process_set, req->meta.name);
     for (const Phase& p : phases) row.Nested(p.name, p.start, p.end);
   }
 }
@@ -1167,10 +1241,32 @@ kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::
   return KR_OK;
 }
 
-void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests) {
-  const TensorMeta& m = requests[0].meta;
+size_t Engine::RunAllreduces(ProcessSet& set, const std::vector<Request>& requests) {
+  // Stretches of alike tensors, each at most the fusion threshold (a larger
+  // tensor alone): every rank has the same requests and settings here, so
+  // they cut the same stretches.
+  size_t collectives = 0;
+  const Request* const end = requests.data() + requests.size();
+  for (const Request* begin = requests.data(); begin != end; ++collectives) {
+    const Request* last = begin + 1;
+    size_t bytes = Bytes(begin->meta);
+    for (; last != end && SameReduction(last->meta, begin->meta); ++last) {
+      const size_t more = Bytes(last->meta);
+      if (params_.fusion_threshold == 0 || bytes + more > params_.fusion_threshold) break;
+      bytes += more;
+    }
+    RunAllreduce(set, begin, last);
+    if (last - begin > 1) stats_.fused_tensors += last - begin;
+    begin = last;
+  }
+  return collectives;
+}
+
+void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* end) {
+  const TensorMeta& m = begin->meta;
+  const size_t n = end - begin;
   size_t total = 0;  // elements of all the requests
-  for (const Request& req : requests) total += ElementCount(req.meta.shape);
+  for (const Request* req = begin; req != end; ++req) total += ElementCount(req->meta.shape);
   // With more ranks than cores, a shared-memory allreduce waits for ranks
   // that are not running; MPI's recursive doubling is faster for small ones
   // (measured: 3 ranks on 2 cores, 4 KiB: 0.07 ms against 0.62 ms).
@@ -1181,8 +1277,9 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
     // out of it: no packing, fused or not.
     const auto started = timeline_.Now();
     ShmAllreduceOptions o;
-    for (const Request& req : requests) {
-      o.spans.push_back({req.input, req.output, ElementCount(req.meta.shape)});
+    o.spans.reserve(n);
+    for (const Request* req = begin; req != end; ++req) {
+      o.spans.push_back({req->input, req->output, ElementCount(req->meta.shape)});
     }
     o.dtype = m.dtype;
     if (m.wire_dtype != m.dtype) o.wire_dtype = m.wire_dtype;
@@ -1206,7 +1303,7 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
       };
     }
     set.shm->Allreduce(o);
-    if (requests.size() > 1) TracePhases(requests, {{"COMMUNICATE", started, timeline_.Now()}});
+    if (n > 1) TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
     stats_.shm_collectives += 1;
     if (set.cross) stats_.hierarchical_collectives += 1;
     return;
@@ -1218,8 +1315,8 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   o.postscale_factor = m.postscale_factor;
   o.small_bytes = params_.small_allreduce_bytes;
   if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
-  if (requests.size() == 1 && m.wire_dtype == m.dtype) {
-    const Request& req = requests[0];
+  if (n == 1 && m.wire_dtype == m.dtype) {
+    const Request& req = *begin;
     o.count = total;
     if (o.count && req.output != req.input) {
       std::memcpy(req.output, req.input, o.count * DataTypeSize(m.dtype));
@@ -1236,9 +1333,9 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   o.count = total;
   if (fusion_buffer_.size() < o.count * esize) fusion_buffer_.resize(o.count * esize);
   char* packed = fusion_buffer_.data();
-  for (const Request& req : requests) {
-    const size_t count = ElementCount(req.meta.shape);
-    CopyElements(packed, m.wire_dtype, req.input, m.dtype, count);
+  for (const Request* req = begin; req != end; ++req) {
+    const size_t count = ElementCount(req->meta.shape);
+    CopyElements(packed, m.wire_dtype, req->input, m.dtype, count);
     packed += count * esize;
   }
   o.buffer = fusion_buffer_.data();
@@ -1246,13 +1343,13 @@ void Engine::RunAllreduce(ProcessSet& set, const std::vector<Request>& requests)
   Allreduce(*set.transport, o);
   const auto reduced = timeline_.Now();
   packed = fusion_buffer_.data();
-  for (const Request& req : requests) {
-    const size_t count = ElementCount(req.meta.shape);
-    CopyElements(req.output, m.dtype, packed, m.wire_dtype, count);
+  for (const Request* req = begin; req != end; ++req) {
+    const size_t count = ElementCount(req->meta.shape);
+    CopyElements(req->output, m.dtype, packed, m.wire_dtype, count);
     packed += count * esize;
   }
-  if (requests.size() > 1) {  // else Run() records the whole as one phase
-    TracePhases(requests, {{"PACK", packing, packed_at},
+  if (n > 1) {  // else Run() records the whole as one phase
+    TracePhases(begin, end, {{"PACK", packing, packed_at},
                           {"COMMUNICATE", packed_at, reduced},
                           {"UNPACK", reduced, timeline_.Now()}});
   }

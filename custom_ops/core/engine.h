@@ -28,7 +28,8 @@
 namespace keras_ring {
 
 // A request as the engine keeps it: the caller's kr_request with its name and
-// shape copied.
+// shape copied; or a group of them (kr_enqueue_and_drive's `group`), which
+// is agreed and scheduled as one name and run as its members.
 struct Request {
   TensorMeta meta;
   const void* input = nullptr;
@@ -40,8 +41,17 @@ struct Request {
   void (*done)(void* ctx, kr_status status, const char* message) = nullptr;
   void* ctx = nullptr;
   Timeline::Clock::time_point submitted;  // set only while a timeline records
+  // A group's requests, in submission order; the group's own buffers and
+  // callbacks are unset, and meta.members is filled in only when the
+  // description is sent in full.
+  std::vector<Request> members;
 
+  // Completes the request, or every member of a group.
   void Complete(kr_status status, const std::string& message) const {
+    if (!done) {
+      for (const Request& m : members) m.Complete(status, message);
+      return;
+    }
     done(ctx, status, message.c_str());
   }
 };
@@ -94,7 +104,10 @@ class Engine {
   // Validates and queues the requests; each refused one is completed through
   // its done callback, and the first refusal's status returned. Without
   // `wake`, the caller must Drive() next: the background thread is not told.
-  kr_status Enqueue(const kr_request* requests, int n, bool wake = true);
+  // With a `group` name (non-empty), the requests form one group (see
+  // kr_enqueue_and_drive).
+  kr_status Enqueue(const kr_request* requests, int n, bool wake = true,
+                    const char* group = nullptr);
   // Runs the engine's loop on the calling thread until finished(ctx) returns
   // true, the loop stops, or nothing has happened for a while (then the
   // background thread carries on and the caller should block as usual). A
@@ -146,7 +159,11 @@ class Engine {
   void Execute(ResponseList& list);
   // Runs one agreed collective (several requests when fused).
   void Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp);
-  void RunAllreduce(ProcessSet& set, const std::vector<Request>& requests);
+  // Runs allreduce requests (a group's members, fused tensors) as few
+  // collectives as the fusion threshold allows; returns how many.
+  size_t RunAllreduces(ProcessSet& set, const std::vector<Request>& requests);
+  // Runs requests [begin, end), alike in dtype, op and scale factors, as one allreduce.
+  void RunAllreduce(ProcessSet& set, const Request* begin, const Request* end);
   // The collective's span on each request's row, from the response's arrival.
   void TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
                     const Response& resp, Timeline::Clock::time_point started);
@@ -154,7 +171,7 @@ class Engine {
     const char* name;
     Timeline::Clock::time_point start, end;  // start is zero if the timeline was off
   };
-  void TracePhases(const std::vector<Request>& requests, std::initializer_list<Phase> phases);
+  void TracePhases(const Request* begin, const Request* end, std::initializer_list<Phase> phases);
   // Completes the request, ending its span.
   void Complete(const Request& req, kr_status status, const std::string& message);
   void RunBroadcast(ProcessSet& set, const Request& req);

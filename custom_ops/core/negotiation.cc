@@ -61,13 +61,6 @@ class Reader {
   size_t pos_ = 0;
 };
 
-// What fusion counts of a tensor.
-size_t Bytes(const TensorMeta& m) {
-  size_t count = 1;
-  for (int64_t d : m.shape) count *= static_cast<size_t>(d);
-  return count * DataTypeSize(m.dtype);
-}
-
 std::string DimsToString(const std::vector<int64_t>& dims) {
   std::ostringstream s;
   s << "[";
@@ -78,8 +71,32 @@ std::string DimsToString(const std::vector<int64_t>& dims) {
 
 }  // namespace
 
+size_t Bytes(const TensorMeta& m) {
+  if (m.members) {
+    size_t bytes = 0;
+    for (const TensorMeta& member : *m.members) bytes += Bytes(member);
+    return bytes;
+  }
+  size_t count = 1;
+  for (int64_t d : m.shape) count *= static_cast<size_t>(d);
+  return count * DataTypeSize(m.dtype);
+}
+
+bool SameReduction(const TensorMeta& a, const TensorMeta& b) {
+  return a.dtype == b.dtype && a.wire_dtype == b.wire_dtype && a.op == b.op &&
+         a.prescale_factor == b.prescale_factor && a.postscale_factor == b.postscale_factor;
+}
+
 std::string TensorMeta::Describe() const {
   std::ostringstream s;
+  if (members) {
+    s << "group of " << members->size() << " " << CollectiveName(collective) << "s";
+    if (!members->empty()) {
+      s << ": '" << members->front().name << "' " << members->front().Describe();
+      if (members->size() > 1) s << ", ...";
+    }
+    return s.str();
+  }
   s << CollectiveName(collective) << " of " << DataTypeName(dtype) << DimsToString(shape);
   if (collective == Collective::kAllreduce || collective == Collective::kReducescatter) {
     s << " op=" << ReduceOpName(op);
@@ -98,7 +115,8 @@ bool TensorMeta::operator==(const TensorMeta& o) const {
   return name == o.name && collective == o.collective && dtype == o.dtype && op == o.op &&
          prescale_factor == o.prescale_factor && postscale_factor == o.postscale_factor &&
          wire_dtype == o.wire_dtype && root_rank == o.root_rank && shape == o.shape &&
-         splits == o.splits && error == o.error;
+         splits == o.splits && error == o.error &&
+         (members == o.members || (members && o.members && *members == *o.members));
 }
 
 namespace {
@@ -115,6 +133,10 @@ void PutMeta(Writer& w, const TensorMeta& m) {
   w.PutDims(m.shape);
   w.PutDims(m.splits);
   w.PutString(m.error);
+  w.Put<int64_t>(m.members ? static_cast<int64_t>(m.members->size()) : -1);
+  if (m.members) {
+    for (const TensorMeta& member : *m.members) PutMeta(w, member);
+  }
 }
 
 TensorMeta GetMeta(Reader& r) {
@@ -130,6 +152,13 @@ TensorMeta GetMeta(Reader& r) {
   m.shape = r.GetDims();
   m.splits = r.GetDims();
   m.error = r.GetString();
+  const int64_t members = r.Get<int64_t>();
+  if (members >= 0) {
+    auto list = std::make_shared<std::vector<TensorMeta>>();
+    list->reserve(members);
+    for (int64_t i = 0; i < members; ++i) list->push_back(GetMeta(r));
+    m.members = std::move(list);
+  }
   return m;
 }
 
@@ -429,8 +458,14 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
                "rank " + std::to_string(WorldRank(r)) + ": " + e.metas[r].error;
   }
   if (!invalid.empty()) return invalid;
+  bool group = false;
+  for (int r = 0; r < size_; ++r) group = group || (e.present[r] && e.metas[r].members);
   bool agree = true;
-  for (int r = first_rank + 1; r < size_ && agree; ++r) {
+  if (group) {
+    std::string why = GroupDisagreement(name, e);
+    if (!why.empty()) return why;
+  }
+  for (int r = first_rank + 1; r < size_ && agree && !group; ++r) {
     if (!e.present[r]) continue;
     const TensorMeta& m = e.metas[r];
     agree = m.collective == first.collective && m.dtype == first.dtype;
@@ -438,9 +473,7 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
     switch (first.collective) {
       case Collective::kAllreduce:
       case Collective::kReducescatter:
-        agree = m.shape == first.shape && m.op == first.op &&
-                m.prescale_factor == first.prescale_factor &&
-                m.postscale_factor == first.postscale_factor && m.wire_dtype == first.wire_dtype;
+        agree = m.shape == first.shape && SameReduction(m, first);
         break;
       case Collective::kBroadcast:
         agree = m.shape == first.shape && m.root_rank == first.root_rank;
@@ -472,10 +505,17 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
   if (e.count == size_ || first.collective == Collective::kJoin) return "";
   // Joined ranks take part with zeros, which only sums and gathers absorb.
   std::string why;
-  const bool linear = first.op == ReduceOp::kSum || first.op == ReduceOp::kAverage;
+  auto linear = [](ReduceOp o) { return o == ReduceOp::kSum || o == ReduceOp::kAverage; };
+  const TensorMeta* culprit = &first;  // of a group: the first member that cannot run
+  if (first.members) {
+    for (const TensorMeta& m : *first.members) {
+      culprit = &m;
+      if (!linear(m.op)) break;
+    }
+  }
   if ((first.collective == Collective::kAllreduce ||
-       first.collective == Collective::kReducescatter) && !linear) {
-    why = std::string("op=") + ReduceOpName(first.op) + " cannot take zeros from joined ranks";
+       first.collective == Collective::kReducescatter) && !linear(culprit->op)) {
+    why = std::string("op=") + ReduceOpName(culprit->op) + " cannot take zeros from joined ranks";
   } else if (first.collective == Collective::kBroadcast && !e.present[first.root_rank]) {
     why = "its root rank has joined";
   } else if (first.collective == Collective::kAlltoall) {
@@ -485,9 +525,52 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
   }
   if (why.empty()) return "";
   std::ostringstream s;
-  s << "keras-ring: " << label_ << "tensor '" << name << "' (" << first.Describe()
+  s << "keras-ring: " << label_ << "tensor '" << culprit->name << "'"
+    << (culprit != &first ? " of group '" + name + "'" : "") << " (" << culprit->Describe()
     << ") cannot run while ranks [" << RankList(e.present, false) << "] have joined: " << why;
   return s.str();
+}
+
+std::string Coordinator::GroupDisagreement(const std::string& name, const Entry& e) const {
+  const int first_rank = std::find(e.present.begin(), e.present.end(), true) - e.present.begin();
+  // Member i of rank r's group; null past its end, or if r sent a lone tensor of this name.
+  auto member = [&](int r, size_t i) -> const TensorMeta* {
+    const auto& members = e.metas[r].members;
+    return members && i < members->size() ? &(*members)[i] : nullptr;
+  };
+  auto agree = [](const TensorMeta* a, const TensorMeta* b) {
+    return a && b && a->name == b->name && a->collective == b->collective && a->dtype == b->dtype &&
+           a->shape == b->shape && SameReduction(*a, *b);
+  };
+  size_t most = 1;  // at least the first member: a lone tensor differs there
+  for (int r = 0; r < size_; ++r) {
+    if (e.present[r] && e.metas[r].members) most = std::max(most, e.metas[r].members->size());
+  }
+  for (size_t i = 0; i < most; ++i) {
+    bool same = true;
+    for (int r = 0; r < size_ && same; ++r) {
+      same = !e.present[r] || agree(member(first_rank, i), member(r, i));
+    }
+    if (same) continue;
+    std::ostringstream s;
+    s << "keras-ring: " << label_ << "ranks disagree on tensor " << i << " of group '" << name
+      << "':";
+    for (int r = 0; r < size_; ++r) {
+      s << (r ? ";" : "") << " rank " << WorldRank(r) << " sent ";
+      const TensorMeta& m = e.metas[r];
+      if (!e.present[r]) {
+        s << "nothing (joined)";
+      } else if (!m.members) {
+        s << "a lone tensor, not a group (" << m.Describe() << ")";
+      } else if (const TensorMeta* mine = member(r, i)) {
+        s << "'" << mine->name << "', " << mine->Describe();
+      } else {
+        s << "a group of " << m.members->size() << " tensors";
+      }
+    }
+    return s.str();
+  }
+  return "";
 }
 
 std::string Coordinator::RankList(const std::vector<bool>& which, bool value) const {
@@ -504,12 +587,10 @@ bool Fusable(const Response& r) {
   return r.error.empty() && r.metas[0].collective == Collective::kAllreduce;
 }
 
+// A group's reduction fields are its first member's: fused with a
+// different member's, the engine runs each stretch of alike tensors apart.
 bool SameReduction(const Response& a, const Response& b) {
-  const TensorMeta& x = a.metas[0];
-  const TensorMeta& y = b.metas[0];
-  return a.process_set == b.process_set && x.dtype == y.dtype && x.wire_dtype == y.wire_dtype &&
-         x.op == y.op && x.prescale_factor == y.prescale_factor &&
-         x.postscale_factor == y.postscale_factor;
+  return a.process_set == b.process_set && SameReduction(a.metas[0], b.metas[0]);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -52,10 +53,21 @@ struct TensorMeta {
   // the tensor, a root outside the set): sent like any description, so that
   // every rank fails the name with it instead of waiting for this rank.
   std::string error;
+  // A group: allreduces that every rank submits together (a grouped op),
+  // agreed, cached and scheduled as this one name. Their descriptions, in
+  // submission order; the reduction fields above are the first member's and
+  // `shape` is empty. Shared because the coordinator copies a cached
+  // group's description into every response it makes of it.
+  std::shared_ptr<const std::vector<TensorMeta>> members;
 
   std::string Describe() const;  // "float32[2,3] Sum" and the like, for errors
   bool operator==(const TensorMeta& o) const;
 };
+
+// What the two allreduces (or reducescatters) need to agree on across ranks.
+bool SameReduction(const TensorMeta& a, const TensorMeta& b);
+// The bytes a tensor, or a group's members, hold: what fusion counts.
+size_t Bytes(const TensorMeta& m);
 
 // The coordinator's decision about one tensor, or several fused into one
 // collective (allreduces of the same dtype, op and scale factors).
@@ -207,6 +219,8 @@ class Coordinator {
   std::string Stall(const std::string& name, const Entry& e, Clock::time_point now) const;
   // Empty when the present ranks agree, else the error.
   std::string Disagreement(const std::string& name, const Entry& e) const;
+  // The same for a group: the ranks' members, one by one.
+  std::string GroupDisagreement(const std::string& name, const Entry& e) const;
 
   int WorldRank(int r) const { return world_ranks_.empty() ? r : world_ranks_[r]; }
   std::string RankList(const std::vector<bool>& which, bool value) const;

@@ -96,6 +96,7 @@ class Handle {
   Handle(py::array input, py::object output, std::shared_ptr<Completion> completion)
       : input_(std::move(input)), output_(std::move(output)), completion_(std::move(completion)) {}
   ~Handle() {
+    if (Completion::Finished(completion_.get())) return;
     py::gil_scoped_release release;
     WaitFinished();
   }
@@ -113,7 +114,7 @@ class Handle {
   }
 
   py::array wait() {
-    {
+    if (!Completion::Finished(completion_.get())) {  // else no need to let go of the GIL
       py::gil_scoped_release release;
       WaitFinished();
     }
@@ -233,9 +234,11 @@ struct AllFinished {
 
 // Submits a collective for each array (named by `names`) and waits for all,
 // this thread running the engine meanwhile; returns their results in order.
+// With a `group` name, the allreduces form one group (kr_enqueue_and_drive).
 py::list Run(int collective, const std::vector<py::array>& arrays,
              const std::vector<std::string>& names, int op, double prescale, double postscale,
-             int root_rank, std::vector<int64_t> splits, int32_t process_set, int compression) {
+             int root_rank, std::vector<int64_t> splits, int32_t process_set, int compression,
+             const std::string& group) {
   if (arrays.size() != names.size()) {
     throw py::value_error("keras-ring: run() needs one name per array. Received: " +
                           std::to_string(arrays.size()) + " arrays and " +
@@ -246,6 +249,9 @@ py::list Run(int collective, const std::vector<py::array>& arrays,
   std::vector<std::unique_ptr<Prepared>> prepared;
   std::vector<kr_request> requests;
   AllFinished all;
+  prepared.reserve(arrays.size());
+  requests.reserve(arrays.size());
+  all.completions.reserve(arrays.size());
   for (size_t i = 0; i < arrays.size(); ++i) {
     prepared.push_back(Prepare(a, arrays[i], names[i]));
     requests.push_back(prepared.back()->request);
@@ -254,8 +260,8 @@ py::list Run(int collective, const std::vector<py::array>& arrays,
   {
     py::gil_scoped_release release;
     // Refusals arrive through done, like any other outcome.
-    kr_enqueue_and_drive(requests.data(), static_cast<int>(requests.size()), &AllFinished::Check,
-                         &all);
+    kr_enqueue_and_drive(requests.data(), static_cast<int>(requests.size()), group.c_str(),
+                         &AllFinished::Check, &all);
   }
   py::list results;
   for (auto& p : prepared) results.append(p->handle->wait());
@@ -437,9 +443,11 @@ PYBIND11_MODULE(_engine, m) {
         py::arg("op") = static_cast<int>(KR_SUM), py::arg("prescale_factor") = 1.0,
         py::arg("postscale_factor") = 1.0, py::arg("root_rank") = 0,
         py::arg("splits") = std::vector<int64_t>(), py::arg("process_set") = 0,
-        py::arg("compression") = static_cast<int>(KR_COMPRESSION_NONE),
+        py::arg("compression") = static_cast<int>(KR_COMPRESSION_NONE), py::arg("group") = "",
         "Runs a collective on each array (named by `names`) and returns the results in "
-        "order; the calling thread runs the engine meanwhile (the fastest way to wait).");
+        "order; the calling thread runs the engine meanwhile (the fastest way to wait). "
+        "With a `group` name, allreduces are agreed as one group: every rank must pass the "
+        "same group and names.");
   m.attr("COMPRESSION_FP16") = static_cast<int>(KR_COMPRESSION_FP16);
   m.attr("COMPRESSION_BF16") = static_cast<int>(KR_COMPRESSION_BF16);
 }

@@ -235,7 +235,9 @@ class CollectiveKernel : public AsyncOpKernel {
   // peers are ready finishes here, without waking the engine thread and then
   // TensorFlow's; if the peers are not ready, the call returns after a short
   // spin and the engine thread finishes the op.
-  static void Submit(OpKernelContext* ctx, DoneCallback done, std::vector<Request> requests) {
+  // `group`: the requests are a grouped op's allreduces (kr_enqueue_and_drive).
+  static void Submit(OpKernelContext* ctx, DoneCallback done, std::vector<Request> requests,
+                     const char* group = nullptr) {
     auto* pending = new PendingOp(ctx, std::move(done), static_cast<int>(requests.size()));
     // `pending` deletes itself when the last request completes, possibly
     // during kr_enqueue_and_drive: the flag outlives it.
@@ -253,7 +255,7 @@ class CollectiveKernel : public AsyncOpKernel {
     }
     // A refused request is completed through done, so the result adds nothing.
     (void)kr_enqueue_and_drive(
-        fields.data(), static_cast<int>(fields.size()),
+        fields.data(), static_cast<int>(fields.size()), group,
         [](void* flag) -> int { return static_cast<std::atomic<bool>*>(flag)->load(); },
         finished.get());
   }
@@ -313,7 +315,8 @@ class AllreduceOp : public ReductionKernel {
                            done);
       SetReduction(&requests[i].fields);
     }
-    Submit(ctx, std::move(done), std::move(requests));
+    // The group is named like the op; its tensor i as `<name>.<i>`.
+    Submit(ctx, std::move(done), std::move(requests), grouped_ ? name_.c_str() : nullptr);
   }
 
  private:

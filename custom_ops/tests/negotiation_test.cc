@@ -507,5 +507,115 @@ KR_TEST(ARanksOwnObjectionFailsTheNameOnEveryRank) {
                                          "splits must add up to the first dimension"));
 }
 
+// A group of the given members, as the engine describes one.
+TensorMeta Group(const std::string& name, std::vector<TensorMeta> members) {
+  TensorMeta g = members[0];
+  g.name = name;
+  g.shape.clear();
+  g.members = std::make_shared<std::vector<TensorMeta>>(std::move(members));
+  return g;
+}
+
+KR_TEST(AGroupIsAgreedAndCachedAsOneName) {
+  const TensorMeta g = Group("g", {Allreduce("g.0", {3}), Allreduce("g.1", {2, 2}, DataType::kInt64),
+                                   Allreduce("g.2", {0}, DataType::kFloat32, ReduceOp::kMax)});
+  Coordinator c(2);
+  std::vector<Response> out;
+  BothAdd(c, g, &out);
+  BothAdd(c, g, &out);
+  KR_EXPECT_EQ(out.size(), 2u);
+  KR_EXPECT(out[1].error.empty());
+  KR_EXPECT(out[1].names == std::vector<std::string>({"g"}));
+  KR_EXPECT_EQ(out[1].bytes, 3u * 4 + 4u * 8);  // the members' bytes
+  KR_EXPECT(out[1].cache_ids == std::vector<int32_t>({0}));
+  out.clear();
+  c.AddCached(0, 0, &out);
+  c.AddCached(1, 0, &out);
+  KR_EXPECT(out.size() == 1 && out[0].cached && out[0].bytes == 44u);
+  KR_EXPECT(out[0].metas[0] == g);  // what a joined rank would need to stand in
+  KR_EXPECT_EQ(g.Describe(), std::string("group of 3 allreduces: 'g.0' allreduce of float32[3] "
+                                         "op=sum, ..."));
+}
+
+KR_TEST(RanksThatDisagreeOnAGroupHearWhichTensorDiffers) {
+  const std::vector<TensorMeta> members = {Allreduce("g.0", {3}), Allreduce("g.1", {5}),
+                                           Allreduce("g.2", {7})};
+  auto changed = members;
+  changed[1].shape = {6};
+  auto out = Agree(3, {{Group("g", members)}, {Group("g", changed)}, {Group("g", members)}});
+  KR_EXPECT_EQ(out[0].status, KR_INVALID_ARGUMENT);
+  KR_EXPECT_EQ(out[0].error,
+               std::string("keras-ring: ranks disagree on tensor 1 of group 'g': rank 0 sent "
+                           "'g.1', allreduce of float32[5] op=sum; rank 1 sent 'g.1', allreduce "
+                           "of float32[6] op=sum; rank 2 sent 'g.1', allreduce of float32[5] "
+                           "op=sum"));
+  // A member missing on one rank (refused there, say); a member named differently.
+  auto fewer = members;
+  fewer.pop_back();
+  out = Agree(2, {{Group("g", members)}, {Group("g", fewer)}});
+  KR_EXPECT(out[0].error.find("tensor 2 of group 'g': rank 0 sent 'g.2', allreduce of float32[7] "
+                              "op=sum; rank 1 sent a group of 2 tensors") != std::string::npos);
+  auto renamed = members;
+  renamed[0].name = "other";
+  out = Agree(2, {{Group("g", members)}, {Group("g", renamed)}});
+  KR_EXPECT(out[0].error.find("rank 1 sent 'other'") != std::string::npos);
+  // A lone tensor of the group's name.
+  out = Agree(2, {{Group("g", members)}, {Allreduce("g", {3})}});
+  KR_EXPECT(out[0].error.find("rank 1 sent a lone tensor, not a group (allreduce of float32[3]") !=
+            std::string::npos);
+  // The same members in a different order are a different group.
+  auto swapped = members;
+  std::swap(swapped[0], swapped[2]);
+  out = Agree(2, {{Group("g", members)}, {Group("g", swapped)}});
+  KR_EXPECT(out[0].error.find("tensor 0 of group 'g'") != std::string::npos);
+}
+
+KR_TEST(JoinedRanksStandInForAGroupOfSumsOnly) {
+  const TensorMeta sums = Group("s", {Allreduce("s.0", {3}), Allreduce("s.1", {1})});
+  const TensorMeta mixed =
+      Group("m", {Allreduce("m.0", {3}), Allreduce("m.1", {1}, DataType::kFloat32, ReduceOp::kMin)});
+  Coordinator c(2);
+  std::vector<Response> out;
+  TensorMeta join;
+  join.name = "join";
+  join.collective = Collective::kJoin;
+  join.dtype = DataType::kInt32;
+  c.Add(1, join, &out);
+  c.Add(0, sums, &out);
+  c.Add(0, mixed, &out);
+  KR_EXPECT_EQ(out.size(), 2u);
+  KR_EXPECT(out[0].error.empty() && out[0].send_metas && out[0].metas[0] == sums);
+  KR_EXPECT(out[1].error.find("tensor 'm.1' of group 'm' (allreduce of float32[1] op=min) cannot "
+                              "run while ranks [1] have joined: op=min cannot take zeros from "
+                              "joined ranks") != std::string::npos);
+}
+
+KR_TEST(AGroupTravelsWithItsMembers) {
+  const TensorMeta g = Group("g", {Allreduce("g.0", {3}), Allreduce("g.1", {2}, DataType::kInt8)});
+  ReadyList ready;
+  ready.items.push_back({-1, g});
+  ready.items.push_back({-1, Allreduce("lone", {1})});
+  ReadyList back = DeserializeReadyList(SerializeReadyList(ready));
+  KR_EXPECT(back.items[0].meta == g && back.items[0].meta.members->size() == 2u);
+  KR_EXPECT(back.items[1].meta == ready.items[1].meta && !back.items[1].meta.members);
+  ResponseList list;
+  list.responses.resize(1);
+  list.responses[0].names = {"g"};
+  list.responses[0].cache_ids = {-1};
+  list.responses[0].metas = {g};
+  list.responses[0].send_metas = true;
+  ResponseList got = DeserializeResponses(SerializeResponses(list));
+  KR_EXPECT(got.responses[0].metas[0] == g);
+}
+
+KR_TEST(FusionCountsAGroupsMembers) {
+  const TensorMeta g = Group("g", {Allreduce("g.0", {4}), Allreduce("g.1", {4})});  // 32 bytes
+  auto out = Agree(1, {{Allreduce("a", {4}), g, Allreduce("b", {4})}});
+  auto fused = Fuse(out, 48);
+  KR_EXPECT_EQ(fused.size(), 2u);
+  KR_EXPECT(fused[0].names == std::vector<std::string>({"a", "g"}));
+  KR_EXPECT_EQ(fused[0].bytes, 48u);
+}
+
 }  // namespace
 }  // namespace kr_test

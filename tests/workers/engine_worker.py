@@ -424,6 +424,10 @@ def test_join(rank, size):
         mean = submit(_engine.ALLREDUCE, np.full(2, 6.0, np.float32), "join.avg",
                       op=OPS["Average"]).wait()
         check(f"join.avg step {step}", mean, np.full(2, 6.0 * active / size), exact=True)
+        group = _engine.run(_engine.ALLREDUCE, [np.ones(3, np.float32), np.full(2, 2, np.int64)],
+                            ["join.g.0", "join.g.1"], op=OPS["Sum"], group="join.g")
+        check(f"join.g.0 step {step}", group[0], np.full(3, active), exact=True)
+        check(f"join.g.1 step {step}", group[1], np.full(2, 2 * active), exact=True)
         rows = submit(_engine.ALLGATHER, np.full((2, 2), rank, np.int32), "join.rows").wait()
         want = np.concatenate([np.full((2, 2), r, np.int32) for r in range(size)
                                if step < 2 * r + 2])
@@ -484,6 +488,85 @@ def test_run(rank, size):
     except ValueError as e:
         if "one name per array" not in str(e):
             fail(f"run() with a name too many: unexpected error {e}")
+
+
+def test_groups(rank, size):
+    """run(..., group=...): allreduces agreed as one unit. Every dtype, op and size, scale
+    factors and compression in one group, step after step (the group is then cached); groups
+    that differ between ranks fail on every rank, naming the tensor; no hang."""
+    cases = [(f"grp.{i}", DTYPES[i % len(DTYPES)], ["Sum", "Max", "Min", "Product"][i % 4],
+              (SIZES + [BIG // 8])[i % 5]) for i in range(24)]
+    before = _engine.stats()
+    steps = 4
+    for step in range(steps):
+        inputs = [data(rank, n, dtype, op, i + step) for i, (_, dtype, op, n) in enumerate(cases)]
+        # A group for each op, the dtypes mixed within it.
+        for op_name in ("Sum", "Max", "Min", "Product"):
+            picked = [i for i, c in enumerate(cases) if c[2] == op_name]
+            got = _engine.run(_engine.ALLREDUCE, [inputs[i] for i in picked],
+                              [cases[i][0] for i in picked], op=OPS[op_name],
+                              group=f"grp.{op_name}")
+            for i, out in zip(picked, got):
+                name, dtype, op, n = cases[i]
+                want = reference([data(r, n, dtype, op, i + step) for r in range(size)],
+                                 dtype, op, 1.0, 1.0)
+                check(f"{name} step {step}", out, want, exact=True)
+    stats = _engine.stats()
+    hits = stats["cached_tensors"] - before["cached_tensors"]
+    capacity = int(os.environ.get("KERAS_RING_CACHE_CAPACITY", "1024"))
+    # Cached on the second agreement; from the third step on, every member goes by id.
+    if hits != (0 if capacity == 0 else (steps - 2) * len(cases)):
+        fail(f"{hits} group members announced by cache id over {steps} steps")
+    if stats["tensors"] - before["tensors"] != steps * len(cases):
+        fail(f"engine counted {stats['tensors'] - before['tensors']} tensors")
+    # Scale factors and compression, in a group of two dtypes.
+    xs = [np.full(1001, 0.25 * (rank + 1), np.float32), np.full(7, rank + 1.0, np.float64)]
+    got = _engine.run(_engine.ALLREDUCE, xs, ["grp.scaled.0", "grp.scaled.1"], op=OPS["Average"],
+                      prescale_factor=2.0, postscale_factor=0.5, group="grp.scaled",
+                      compression=_engine.COMPRESSION_FP16)
+    mean = sum(r + 1 for r in range(size)) / size
+    check("grp.scaled.0", got[0], np.full(1001, 0.25 * mean), exact=False)
+    check("grp.scaled.1", got[1], np.full(7, mean), exact=False)
+    if got[0].dtype != np.float32 or got[1].dtype != np.float64:
+        fail(f"a compressed group changed dtypes: {got[0].dtype}, {got[1].dtype}")
+
+    def expect_run_error(arrays, names, group, *fragments):
+        try:
+            _engine.run(_engine.ALLREDUCE, arrays, names, op=OPS["Sum"], group=group)
+        except ValueError as e:
+            for frag in fragments:
+                if frag.lower() not in str(e).lower():
+                    fail(f"group {group!r}: error lacks {frag!r}: {e}")
+            return
+        fail(f"group {group!r}: no error")
+
+    ones = [np.ones(3, np.float32) for _ in range(4)]
+    names = [f"grp.m.{i}" for i in range(4)]
+    # A member's shape differs on rank 1 (after the group was cached).
+    for _ in range(3):
+        _engine.run(_engine.ALLREDUCE, ones, names, op=OPS["Sum"], group="grp.m")
+    odd = ones[:2] + [np.ones(3 + (rank == 1), np.float32)] + ones[3:]
+    expect_run_error(odd, names, "grp.m", "tensor 2 of group 'grp.m'", "rank 0 sent 'grp.m.2'",
+                     "float32[3]", "rank 1 sent 'grp.m.2'", "float32[4]")
+    # Rank 1 has a member fewer, or a member its engine refuses (it has no name), so its
+    # group lacks it: every rank fails, naming it.
+    mine = [(ones, names), (ones[:3], names[:3]), (ones, names[:3] + [""])]
+    for arrays, member_names in mine[1:] if rank == 1 else mine[:1] * 2:
+        expect_run_error(arrays, member_names, "grp.m", "tensor 3 of group 'grp.m'",
+                         "rank 0 sent 'grp.m.3'", "rank 1 sent a group of 3 tensors")
+    # Only allreduces form groups.
+    try:
+        _engine.run(_engine.BROADCAST, ones, names, group="grp.bc")
+        fail("a group of broadcasts did not raise")
+    except ValueError as e:
+        if "a group holds allreduces" not in str(e):
+            fail(f"a group of broadcasts: unexpected error {e}")
+    # The group works again, and a one-tensor "group" is a lone tensor.
+    got = _engine.run(_engine.ALLREDUCE, ones, names, op=OPS["Sum"], group="grp.m")
+    for name, out in zip(names, got):
+        check(name, out, np.full(3, size), exact=True)
+    got = _engine.run(_engine.ALLREDUCE, ones[:1], ["grp.one"], op=OPS["Sum"], group="grp.one")
+    check("grp.one", got[0], np.full(3, size), exact=True)
 
 
 def test_threads(rank, size):
@@ -555,7 +638,7 @@ def main():
                  test_broadcast, test_out_of_order, test_fusion, test_compression, test_transport,
                  test_objects,
                  test_mismatch,
-                 test_duplicate_name, test_cache, test_join, test_run, test_threads,
+                 test_duplicate_name, test_cache, test_join, test_run, test_groups, test_threads,
                  test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)

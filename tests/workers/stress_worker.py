@@ -20,7 +20,10 @@ NumPy reference.
 
 Every rank submits all of a step's tensors, global and of the sets it is in,
 before waiting on any, in its own random order, then waits on them in
-another random order.
+another random order. About half of the allreduces (picked by name) run as
+groups instead: one blocking `run(..., group=...)` call per set and (op,
+scale factors), their members changing as the specs do, all at a random
+point of the rank's submissions.
 
 Two join phases follow. In the first, the global set runs JOIN_STEPS more
 steps, but each rank runs out of data at its own step (one rank, the last,
@@ -385,15 +388,64 @@ class Plan:
         return specs
 
 
+GROUPED = collections.Counter()  # {True: tensors run in groups of 2 or more, False: alone}
+
+
+def step_groups(by_key):
+    """The allreduces that run as groups (run(..., group=...)): about half of them, picked by
+    name, one group per set and (op, scale factors), members in spec order: the same on every
+    rank. Returns {(sid, group name): [keys]}, sorted, the order every rank runs them in."""
+    groups = collections.defaultdict(list)
+    for key, spec in by_key.items():
+        if spec.collective == "allreduce" and zlib.crc32(spec.name.encode()) % 2:
+            groups[spec.group.sid, f"grp.{spec.op}.{spec.pre}.{spec.post}"].append(key)
+    return dict(sorted(groups.items()))
+
+
+def run_group(step, by_key, keys, group_name, active, rank):
+    """Runs the group's allreduces in one blocking call and checks the results: all of them,
+    or the error that names the first member a joined rank cannot stand in for."""
+    specs = [by_key[k] for k in keys]
+    GROUPED[len(specs) > 1] += len(specs)
+    first = specs[0]
+    where = f"step {step} group '{group_name}' of {[s.name for s in specs]} ({first!r})"
+    culprit = next((s for s in specs if join_error(s, active[first.group.sid])), None)
+    try:
+        outs = _engine.run(_engine.ALLREDUCE, [make_input(s, step, rank) for s in specs],
+                           [s.name for s in specs], op=OPS[first.op], prescale_factor=first.pre,
+                           postscale_factor=first.post, process_set=first.group.id,
+                           group=group_name)
+    except ValueError as e:
+        why = culprit and join_error(culprit, active[first.group.sid])
+        if culprit is None or f"'{culprit.name}'" not in str(e) or why not in str(e):
+            fail(f"{where}: ValueError: {e}")
+        return
+    if culprit is not None:
+        fail(f"{where}: ran, but should have failed naming '{culprit.name}'")
+    for spec, got in zip(specs, outs):
+        want, exact, magnitude, _ = expected(spec, step, active[spec.group.sid])
+        compare(spec, step, got, want, exact, magnitude)
+
+
 def run_step(step, specs, active, rank):
     """Submits `specs` in a random order, waits on them in another and checks each result
-    (or, where a member has joined, the error). Returns the number submitted."""
+    (or, where a member has joined, the error); the grouped allreduces run in blocking calls
+    (one per group, in the same order on every rank) at a random point of the submissions.
+    Returns the number submitted."""
     local = random.Random(f"{SEED}/{rank}/{step}")
     by_key = {(spec.group.sid, spec.name): spec for spec in specs}
-    order = list(by_key)
+    groups = step_groups(by_key)
+    grouped = {key for keys in groups.values() for key in keys}
+    order = [key for key in by_key if key not in grouped]
     local.shuffle(order)
+    groups_at = local.randint(0, len(order))
     handles, arrays = {}, {}
-    for key in order:
+    for i, key in enumerate(order + [None]):
+        if i == groups_at:
+            for (_, group_name), keys in groups.items():
+                run_group(step, by_key, keys, group_name, active, rank)
+        if key is None:
+            break
         spec = by_key[key]
         x = make_input(spec, step, rank)
         arrays[key] = x
@@ -428,7 +480,7 @@ def run_step(step, specs, active, rank):
                      f"expected {received}")
         if not np.array_equal(arrays[key], make_input(spec, step, rank)):
             fail(f"{where}: the engine changed its input")
-    return len(order)
+    return len(by_key)
 
 
 def ends_of_data(group, first, steps):
@@ -485,11 +537,19 @@ def main():
         for step in range(first, first + steps):
             active = {group.sid: [end > step for end in ends]}
             specs = plan.specs(group, step)
+            # A group fails as a whole if a joined rank cannot stand in for one member.
+            failed_groups = set()
+            for (_, group_name), keys in step_groups({(s.group.sid, s.name): s
+                                                     for s in specs}).items():
+                if any(join_error(s, active[group.sid]) for s in specs if
+                       (s.group.sid, s.name) in keys):
+                    failed_groups.update(keys)
             for spec in specs:
                 why = join_error(spec, active[group.sid])
-                set_tensors[group.sid] += why is None  # joined members run it too, with zeros
+                fails = why is not None or (spec.group.sid, spec.name) in failed_groups
+                set_tensors[group.sid] += not fails  # joined members run it too, with zeros
                 if not all(active[group.sid]):
-                    plan.coverage[f"joined: {spec.collective} {'error' if why else 'ok'}"] += 1
+                    plan.coverage[f"joined: {spec.collective} {'error' if fails else 'ok'}"] += 1
             if group.me >= 0 and active[group.sid][group.me]:
                 submitted += run_step(step, specs, active, rank)
         first += steps
@@ -516,7 +576,12 @@ def main():
     sets = {g.sid: {"members": g.members, "tensors": set_tensors[g.sid]}
             for g in groups if g.me >= 0}
     report = {**stats, "submitted": submitted, "expected_tensors": want_tensors, "sets": sets,
-              "phases": phases}
+              "phases": phases, "grouped_tensors": GROUPED[True]}
+    # Into a file as well when asked: the launcher forwards each rank's output on its own, so
+    # one rank's long line can arrive cut by another's.
+    if os.environ.get("KR_STRESS_REPORTS"):
+        with open(os.path.join(os.environ["KR_STRESS_REPORTS"], f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
     print(f"rank {rank}: stats {json.dumps(report, sort_keys=True)}", flush=True)
     if rank == 0:
         print(f"stress coverage: {json.dumps(dict(sorted(plan.coverage.items())))}", flush=True)
