@@ -582,6 +582,19 @@ def check_mismatch_errors():
         except tf.errors.InvalidArgumentError as e:
             if f"ranks disagree on tensor '{name}'" not in e.message:
                 failures.append(f"rank {RANK}: {name}: unexpected message: {e.message}")
+    # A grouped allreduce is agreed as one unit: its tensor 1 disagrees, the whole op fails on
+    # every rank, naming that tensor and each rank's view of it.
+    for mode in MODES:
+        group = f"mismatch.grouped_ar.{mode}"
+        try:
+            run(mode, functools.partial(kr.grouped_allreduce, name=group),
+                [tf.zeros([2]), tf.zeros([3 + (RANK == 1)]), tf.zeros([4])])
+            failures.append(f"rank {RANK}: {group}: no error")
+        except tf.errors.InvalidArgumentError as e:
+            want = (f"ranks disagree on tensor 1 of group '{group}': rank 0 sent '{group}.1', "
+                    f"allreduce of float32[3]")
+            if want not in e.message or "rank 1 sent" not in e.message or "[4]" not in e.message:
+                failures.append(f"rank {RANK}: {group}: unexpected message: {e.message}")
     check_bad_splits()
     check(
         "allreduce after errors",
