@@ -8,7 +8,9 @@ tensors in one `run()` call as one group (agreed as one name), as separate
 tensors with fusion (KERAS_RING_FUSION_THRESHOLD's default) and without
 (threshold 0), and with one `submit()` per tensor; keras-ring's
 `grouped_allreduce` TF op (one op whose tensors form a group, as gradient
-reduction submits them); one keras-ring allreduce of the same total bytes;
+reduction submits them), eagerly and in a `tf.function`, with one TF
+allreduce of the total in a `tf.function` to compare with; one keras-ring
+allreduce of the same total bytes;
 and one mpi4py `Allreduce` per tensor (what a naive per-gradient hook
 costs). Each is shown as a multiple of one mpi4py
 `Allreduce` of the total bytes and of one keras-ring allreduce of the total
@@ -75,6 +77,13 @@ def measure(comm, iters, fusion):
             tf_tensors = [tf.constant(t) for t in tensors]
             methods["keras-ring, grouped_allreduce TF op"] = lambda: kr.grouped_allreduce(
                 tf_tensors, op=kr.Sum, name=f"{label}.grouped")
+            # As a training step runs it: in a tf.function that returns one tensor (a step
+            # returns its loss; 100 results handed to Python would cost more than the op).
+            methods["keras-ring, grouped op in a tf.function"] = tf.function(
+                lambda: kr.grouped_allreduce(tf_tensors, op=kr.Sum, name=f"{label}.fn")[0])
+            tf_big = tf.constant(big)
+            methods["keras-ring, one TF op of the total, tf.function"] = tf.function(
+                lambda: kr.allreduce(tf_big, op=kr.Sum, name=f"{label}.fn.total"))
             methods["keras-ring, one allreduce of the total"] = lambda: _engine.run(
                 _engine.ALLREDUCE, [big], ["total"], op=kr.Sum)
             methods["mpi4py, one Allreduce per tensor"] = lambda: [
@@ -104,16 +113,16 @@ def main():
     print(f"\nsmall-tensor allreduce, float32, {kr.size()} ranks, median of {args.iters}")
     ours = {r["case"]: r["seconds"] for r in rows
             if r["method"] == "keras-ring, one allreduce of the total"}
-    print(f"{'case':<16}{'method':<42}{'time ms':>10}{'x one mpi4py':>14}{'x one ours':>12}")
+    print(f"{'case':<16}{'method':<50}{'time ms':>10}{'x one mpi4py':>14}{'x one ours':>12}")
     for r in sorted(rows, key=lambda r: (r["case"], r["seconds"])):
         r["vs_one_mpi4py_allreduce"] = r["seconds"] / base[r["case"]]
         r["vs_one_keras_ring_allreduce"] = r["seconds"] / ours[r["case"]]
-        print(f"{r['case']:<16}{r['method']:<42}{r['seconds'] * 1e3:>10.2f}"
+        print(f"{r['case']:<16}{r['method']:<50}{r['seconds'] * 1e3:>10.2f}"
               f"{r['vs_one_mpi4py_allreduce']:>14.2f}{r['vs_one_keras_ring_allreduce']:>12.2f}")
     name = f"fusion_{kr.size()}ranks"
     fig, axes = write_results(args.out, name,
                               {"ranks": kr.size(), "iters": args.iters, "rows": rows},
-                              ncols=len(CASES), figsize=(11, 3.8))
+                              ncols=len(CASES), figsize=(12, 4.2))
     for ax, (count, nbytes) in zip(axes, CASES):
         label = f"{count} x {nbytes // 1024} KiB"
         pts = sorted((r for r in rows if r["case"] == label), key=lambda r: r["seconds"])

@@ -112,10 +112,11 @@ class PendingOp {
     request->ctx = &slot;
     request->allocate_output = &AllocateOutput;
     request->done = &Done;
-    // One entry per rank of the set; without such a set the engine refuses
-    // the request.
+    if (received_splits_output < 0) return;
+    // Alltoall: one entry per rank of the set; without such a set the engine
+    // refuses the request.
     const int set_size = kr_process_set_ranks(request->process_set, nullptr, 0);
-    if (received_splits_output >= 0 && set_size >= 0) {
+    if (set_size >= 0) {
       slot.received_splits.resize(set_size);
       slot.received_splits_output = received_splits_output;
       request->received_splits = slot.received_splits.data();
