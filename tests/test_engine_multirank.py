@@ -121,3 +121,14 @@ def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, n
         if os.path.exists(path)
     ]
     assert not left, left
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np_", [2, 3])
+def test_every_rank_runs_with_rank_0s_settings(run_ranks, np_):
+    worker = os.path.join(os.path.dirname(__file__), "workers", "settings_worker.py")
+    result = run_ranks(np_, worker, timeout=120)
+    for rank in range(np_):
+        assert f"rank {rank}: settings ok" in result.stdout, result.stdout
+    # The rank whose own settings differ says so.
+    assert "differ from rank 0's; every rank uses rank 0's" in result.stdout, result.stdout

@@ -57,6 +57,18 @@ def check_sequence(path, rank, step="", packs=False):
         if fused:
             groups.add(top[collective]["args"]["group"])
     assert len(groups) == 1, groups  # one collective for the three
+    # A group's members have a row each; its two float32 tensors ran as one collective, the
+    # int64 one as another.
+    ran = {}
+    for tensor in ("grp.a", "grp.b", "grp.c"):
+        found = by_tensor[tensor + step]
+        kinds = [s["name"] for s in found]
+        assert kinds.count("NEGOTIATE") == 1 and kinds.count("ALLREDUCE") == 1, (tensor, kinds)
+        assert {"QUEUE", "COMMUNICATE", "DONE"} <= set(kinds), (tensor, kinds)
+        args = next(s for s in found if s["name"] == "ALLREDUCE")["args"]
+        ran[tensor] = (args["group"], args["tensors"])
+    assert ran["grp.a"] == ran["grp.c"] and ran["grp.a"][1] == 2, ran
+    assert ran["grp.b"][1] == 1 and ran["grp.b"][0] != ran["grp.a"][0], ran
     assert {s["pid"] for spans in by_tensor.values() for s in spans} == {rank}
     return groups.pop()
 

@@ -12,6 +12,8 @@
 #include <functional>
 #include <numeric>
 #include <random>
+#include <type_traits>
+#include <unordered_set>
 
 #include "algorithms.h"
 #include "log.h"
@@ -293,6 +295,16 @@ kr_status Engine::Init(std::string* error) {
     MPI_Comm_free(&cross);
     topology_ = t;
     SetLogRank(t.rank);
+    // Every rank runs with rank 0's settings, as Horovod does: the ranks must
+    // cut a group into the same collectives and pick the same algorithms.
+    static_assert(std::is_trivially_copyable<TunedParams>::value, "sent as bytes");
+    const TunedParams mine = params;
+    CheckMpi(MPI_Bcast(&params, sizeof params, MPI_BYTE, kCoordinator, control_comm_),
+             "MPI_Bcast (settings)");
+    if (params != mine) {
+      Log(LogLevel::kWarning, "this rank's settings (" + mine.Describe() + ") differ from rank " +
+                                  "0's; every rank uses rank 0's (" + params.Describe() + ")");
+    }
     // Alone, a collective is a copy at most: packing a fusion buffer would
     // only add two more.
     if (t.size == 1) {
@@ -500,32 +512,47 @@ kr_status Engine::Enqueue(const kr_request* requests, int n, bool wake, const ch
       if (status == KR_OK) status = s;
     }
   }
-  if (prepared.empty()) return status;
   if (group && *group && n > 1) {
     // A member refused here is missing from the group, which then fails on
-    // every rank as a disagreement instead of leaving the others waiting.
+    // every rank as a disagreement instead of leaving the others waiting;
+    // with every member refused, the group still goes, as this rank's
+    // objection.
     Request g;
-    g.meta = prepared[0].meta;
+    g.group = true;
     g.meta.name = group;
-    g.meta.shape.clear();
-    g.process_set = prepared[0].process_set;
-    g.submitted = prepared[0].submitted;
+    g.meta.collective = Collective::kAllreduce;
+    g.process_set = requests[0].process_set;
+    if (prepared.empty()) {
+      g.meta.error = "every tensor of the group was refused here (each one's error says why)";
+    } else {
+      g.meta = prepared[0].meta;
+      g.meta.name = group;
+      g.meta.shape.clear();
+      g.process_set = prepared[0].process_set;
+      g.submitted = prepared[0].submitted;
+    }
     for (const Request& m : prepared) {
       if (m.meta.collective != Collective::kAllreduce || m.process_set != g.process_set) {
-        const std::string why = "keras-ring: invalid group '" + g.meta.name +
-                                "': a group holds allreduces of one process set; tensor '" +
-                                m.meta.name + "' is " +
-                                (m.meta.collective != Collective::kAllreduce
-                                     ? "a " + std::string(CollectiveName(m.meta.collective))
-                                     : "of process set " + std::to_string(m.process_set));
-        for (const Request& r : prepared) r.Complete(KR_INVALID_ARGUMENT, why);
-        return KR_INVALID_ARGUMENT;
+        // Every member fails, here and (as this rank's objection) on the other ranks.
+        g.meta.error = "a group holds allreduces of one process set; tensor '" + m.meta.name +
+                       "' is " +
+                       (m.meta.collective != Collective::kAllreduce
+                            ? "a " + std::string(CollectiveName(m.meta.collective))
+                            : "of process set " + std::to_string(m.process_set));
+        for (const Request& r : prepared) {
+          r.Complete(KR_INVALID_ARGUMENT,
+                     "keras-ring: invalid group '" + g.meta.name + "': " + g.meta.error);
+        }
+        prepared.clear();
+        status = KR_INVALID_ARGUMENT;
+        break;
       }
     }
     g.members = std::move(prepared);
     prepared.clear();
     prepared.push_back(std::move(g));
   }
+  if (prepared.empty()) return status;
   std::lock_guard<std::mutex> lock(mu_);
   auto refuse_all = [&](kr_status s, const std::string& why) {
     for (const Request& req : prepared) req.Complete(s, why + " (tensor '" + req.meta.name + "')");
@@ -560,9 +587,10 @@ namespace {
 // Whether `req` is the request cached as `cached` (a group: member by member,
 // without building the group's description).
 bool SameAsCached(const TensorMeta& cached, const Request& req) {
-  if (req.members.empty()) return cached == req.meta;
+  if (!req.group) return cached == req.meta;
   if (!cached.members || cached.members->size() != req.members.size() ||
-      cached.name != req.meta.name || !SameReduction(cached, req.meta)) {
+      cached.name != req.meta.name || !SameReduction(cached, req.meta) ||
+      cached.error != req.meta.error) {
     return false;
   }
   for (size_t i = 0; i < req.members.size(); ++i) {
@@ -571,9 +599,18 @@ bool SameAsCached(const TensorMeta& cached, const Request& req) {
   return true;
 }
 
+// The first name that two of a group's members share, or "".
+std::string RepeatedMember(const Request& req) {
+  std::unordered_set<std::string> names;
+  for (const Request& m : req.members) {
+    if (!names.insert(m.meta.name).second) return m.meta.name;
+  }
+  return "";
+}
+
 // Fills in a group's description of its members, to be sent or cached.
 void DescribeMembers(Request* req) {
-  if (req->members.empty() || req->meta.members) return;
+  if (!req->group || req->meta.members) return;
   auto members = std::make_shared<std::vector<TensorMeta>>();
   members->reserve(req->members.size());
   for (const Request& m : req->members) members->push_back(m.meta);
@@ -629,8 +666,16 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
   auto cached = set.cache_ids.find(name);
   if (cached != set.cache_ids.end() && SameAsCached(set.cached[cached->second], req)) {
     item.cache_id = cached->second;
-    stats_.cached_tensors += req.members.empty() ? 1 : req.members.size();
+    stats_.cached_tensors += req.group ? req.members.size() : 1;
   } else {
+    // A group described in full has new members: their names must be unique
+    // (a cached group's were checked when it was described).
+    const std::string twice = req.group ? RepeatedMember(req) : "";
+    if (!twice.empty()) {
+      m.error = "it names two tensors '" + twice + "'; names must be unique within a group";
+      req.Complete(KR_INVALID_ARGUMENT, "keras-ring: invalid group '" + name + "': " + m.error);
+      req.members.clear();
+    }
     DescribeMembers(&req);
     item.meta = m;
   }
@@ -641,7 +686,7 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
     const bool since_submission = req.submitted != Timeline::Clock::time_point();
     const auto begin = since_submission ? req.submitted : Timeline::Clock::now();
     // A group's members have a row each, as they would alone.
-    if (req.members.empty()) timeline_.Row(req.process_set, name).Begin("NEGOTIATE", begin);
+    if (!req.group) timeline_.Row(req.process_set, name).Begin("NEGOTIATE", begin);
     for (const Request& member : req.members) {
       timeline_.Row(req.process_set, member.meta.name).Begin("NEGOTIATE", begin);
     }
@@ -1097,7 +1142,7 @@ void Engine::Execute(ResponseList& list) {
           set.cached[id] = req.meta;
           set.cache_ids[name] = id;
         }
-        if (req.members.empty()) requests.push_back(std::move(req));
+        if (!req.group) requests.push_back(std::move(req));
         requests.reserve(requests.size() + req.members.size());
         for (Request& m : req.members) requests.push_back(std::move(m));
         set.pending.erase(it);
@@ -1122,11 +1167,18 @@ void Engine::Execute(ResponseList& list) {
   }
 }
 
-void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp) {
+void Engine::Run(ProcessSet& set, std::vector<Request>& requests, const Response& resp) {
   const auto started = timeline_.Now();
+  // Where each collective's requests end: allreduces (a group's members,
+  // fused tensors) may take several.
+  std::vector<size_t> ends = {requests.size()};
+  if (resp.error.empty() && !requests.empty() &&
+      requests[0].meta.collective == Collective::kAllreduce) {
+    ends = PlanAllreduces(&requests);
+  }
   // A stalled tensor's error reaches ranks that never submitted it: no requests.
-  if (timeline_.on() && !requests.empty()) TraceRunning(set, requests, resp, started);
-  set.collectives_run += 1;
+  if (timeline_.on() && !requests.empty()) TraceRunning(set, requests, ends, resp, started);
+  set.collectives_run += ends.size();
   if (!resp.error.empty()) {
     for (const Request& req : requests) {
       if (req.meta.collective == Collective::kJoin) set.joined = false;
@@ -1135,11 +1187,13 @@ void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Re
     return;
   }
   bool ok = true;
-  size_t collectives = 1;
   try {
     switch (requests[0].meta.collective) {
       case Collective::kAllreduce:
-        collectives = RunAllreduces(set, requests);
+        for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
+          RunAllreduce(set, requests.data() + begin, requests.data() + ends[k]);
+          if (ends[k] - begin > 1) stats_.fused_tensors += ends[k] - begin;
+        }
         break;
       case Collective::kBroadcast:
         RunBroadcast(set, requests[0]);
@@ -1176,36 +1230,39 @@ void Engine::Run(ProcessSet& set, const std::vector<Request>& requests, const Re
     }
     throw;
   }
-  // A fused collective records its own phases.
-  if (requests.size() == 1) {
+  // Allreduces record their own phases.
+  if (requests[0].meta.collective != Collective::kAllreduce) {
     TracePhases(requests.data(), requests.data() + 1,
                 {{"COMMUNICATE", started, timeline_.Now()}});
   }
-  stats_.collectives += collectives;
+  stats_.collectives += ends.size();
   stats_.tensors += requests.size();
   if (!ok) return;
   for (const Request& req : requests) Complete(req, KR_OK, "");
 }
 
 void Engine::TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
-                          const Response& resp, Timeline::Clock::time_point started) {
+                          const std::vector<size_t>& ends, const Response& resp,
+                          Timeline::Clock::time_point started) {
   const auto arrived = received_ == Timeline::Clock::time_point() ? started : received_;
   const char* span = CollectiveName(requests[0].meta.collective);  // written in capitals
-  size_t bytes = 0;
-  for (const Request& req : requests) {
-    bytes += ElementCount(req.meta.shape) * DataTypeSize(req.meta.dtype);
-  }
-  // Every member counts the set's collectives alike: tensors with the same
-  // group ran fused, on every rank.
-  const auto args = std::make_shared<const std::string>(
-      "\"group\":" + std::to_string(set.collectives_run) + ",\"tensors\":" +
-      std::to_string(requests.size()) + ",\"bytes\":" + std::to_string(bytes) +
-      (resp.error.empty() ? "" : ",\"error\":" + Timeline::Quote(resp.error)));
-  for (const Request& req : requests) {
-    auto row = timeline_.Row(req.process_set, req.meta.name);
-    row.End(arrived);  // NEGOTIATE
-    row.Begin(span, arrived, args);
-    row.Nested("QUEUE", arrived, started);
+  for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
+    size_t bytes = 0;
+    for (size_t i = begin; i < ends[k]; ++i) {
+      bytes += ElementCount(requests[i].meta.shape) * DataTypeSize(requests[i].meta.dtype);
+    }
+    // Every member counts the set's collectives alike: tensors with the
+    // same group ran fused, on every rank.
+    const auto args = std::make_shared<const std::string>(
+        "\"group\":" + std::to_string(set.collectives_run + k) + ",\"tensors\":" +
+        std::to_string(ends[k] - begin) + ",\"bytes\":" + std::to_string(bytes) +
+        (resp.error.empty() ? "" : ",\"error\":" + Timeline::Quote(resp.error)));
+    for (size_t i = begin; i < ends[k]; ++i) {
+      auto row = timeline_.Row(requests[i].process_set, requests[i].meta.name);
+      row.End(arrived);  // NEGOTIATE
+      row.Begin(span, arrived, args);
+      row.Nested("QUEUE", arrived, started);
+    }
   }
 }
 
@@ -1241,25 +1298,49 @@ kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::
   return KR_OK;
 }
 
-size_t Engine::RunAllreduces(ProcessSet& set, const std::vector<Request>& requests) {
-  // Stretches of alike tensors, each at most the fusion threshold (a larger
-  // tensor alone): every rank has the same requests and settings here, so
-  // they cut the same stretches.
-  size_t collectives = 0;
-  const Request* const end = requests.data() + requests.size();
-  for (const Request* begin = requests.data(); begin != end; ++collectives) {
-    const Request* last = begin + 1;
-    size_t bytes = Bytes(begin->meta);
-    for (; last != end && SameReduction(last->meta, begin->meta); ++last) {
-      const size_t more = Bytes(last->meta);
-      if (params_.fusion_threshold == 0 || bytes + more > params_.fusion_threshold) break;
-      bytes += more;
-    }
-    RunAllreduce(set, begin, last);
-    if (last - begin > 1) stats_.fused_tensors += last - begin;
-    begin = last;
+std::vector<size_t> Engine::PlanAllreduces(std::vector<Request>* requests) const {
+  // Alike tensors (dtype, op, scale factors, compression) together, in the
+  // order their kinds first appear and, within a kind, in submission order;
+  // then cut where the next tensor would take a collective past the fusion
+  // threshold (a larger tensor alone; threshold 0: each alone). Every rank
+  // has the same requests in the same order and the same settings (rank
+  // 0's), so every rank plans the same collectives.
+  std::vector<const TensorMeta*> kinds;
+  std::vector<size_t> kind(requests->size());
+  for (size_t i = 0; i < requests->size(); ++i) {
+    const TensorMeta& m = (*requests)[i].meta;
+    size_t k = 0;
+    while (k < kinds.size() && !SameReduction(*kinds[k], m)) ++k;
+    if (k == kinds.size()) kinds.push_back(&m);
+    kind[i] = k;
   }
-  return collectives;
+  if (kinds.size() > 1) {
+    std::vector<size_t> order(requests->size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return kind[a] < kind[b]; });
+    std::vector<Request> sorted;
+    sorted.reserve(order.size());
+    std::vector<size_t> sorted_kind;
+    sorted_kind.reserve(order.size());
+    for (size_t i : order) {
+      sorted.push_back(std::move((*requests)[i]));
+      sorted_kind.push_back(kind[i]);
+    }
+    *requests = std::move(sorted);
+    kind = std::move(sorted_kind);
+  }
+  std::vector<size_t> ends;
+  size_t bytes = 0;
+  for (size_t i = 0; i < requests->size(); ++i) {
+    const size_t more = Bytes((*requests)[i].meta);
+    const bool fits = i > 0 && kind[i] == kind[i - 1] && params_.fusion_threshold > 0 &&
+                      bytes + more <= params_.fusion_threshold;
+    if (i > 0 && !fits) ends.push_back(i);
+    bytes = fits ? bytes + more : more;
+  }
+  ends.push_back(requests->size());
+  return ends;
 }
 
 void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* end) {
@@ -1303,7 +1384,7 @@ void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* 
       };
     }
     set.shm->Allreduce(o);
-    if (n > 1) TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
+    TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
     stats_.shm_collectives += 1;
     if (set.cross) stats_.hierarchical_collectives += 1;
     return;
@@ -1317,12 +1398,14 @@ void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* 
   if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
   if (n == 1 && m.wire_dtype == m.dtype) {
     const Request& req = *begin;
+    const auto started = timeline_.Now();
     o.count = total;
     if (o.count && req.output != req.input) {
       std::memcpy(req.output, req.input, o.count * DataTypeSize(m.dtype));
     }
     o.buffer = req.output;
     Allreduce(*set.transport, o);
+    TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
     return;
   }
   // Fused or compressed: pack every input into one buffer (converting to
@@ -1348,11 +1431,9 @@ void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* 
     CopyElements(req->output, m.dtype, packed, m.wire_dtype, count);
     packed += count * esize;
   }
-  if (n > 1) {  // else Run() records the whole as one phase
-    TracePhases(begin, end, {{"PACK", packing, packed_at},
-                          {"COMMUNICATE", packed_at, reduced},
-                          {"UNPACK", reduced, timeline_.Now()}});
-  }
+  TracePhases(begin, end, {{"PACK", packing, packed_at},
+                           {"COMMUNICATE", packed_at, reduced},
+                           {"UNPACK", reduced, timeline_.Now()}});
 }
 
 void Engine::RunBroadcast(ProcessSet& set, const Request& req) {

@@ -41,14 +41,15 @@ struct Request {
   void (*done)(void* ctx, kr_status status, const char* message) = nullptr;
   void* ctx = nullptr;
   Timeline::Clock::time_point submitted;  // set only while a timeline records
-  // A group's requests, in submission order; the group's own buffers and
-  // callbacks are unset, and meta.members is filled in only when the
-  // description is sent in full.
+  // A group: its requests, in submission order (none if every one was
+  // refused); the group's own buffers and callbacks are unset, and
+  // meta.members is filled in only when the description is sent in full.
+  bool group = false;
   std::vector<Request> members;
 
   // Completes the request, or every member of a group.
   void Complete(kr_status status, const std::string& message) const {
-    if (!done) {
+    if (group) {
       for (const Request& m : members) m.Complete(status, message);
       return;
     }
@@ -158,15 +159,17 @@ class Engine {
   bool ReceiveResponses(ResponseList* out);
   void Execute(ResponseList& list);
   // Runs one agreed collective (several requests when fused).
-  void Run(ProcessSet& set, const std::vector<Request>& requests, const Response& resp);
-  // Runs allreduce requests (a group's members, fused tensors) as few
-  // collectives as the fusion threshold allows; returns how many.
-  size_t RunAllreduces(ProcessSet& set, const std::vector<Request>& requests);
+  void Run(ProcessSet& set, std::vector<Request>& requests, const Response& resp);
+  // Orders allreduce requests (a group's members, fused tensors) into as few
+  // collectives as the fusion threshold allows; returns where each one's
+  // requests end.
+  std::vector<size_t> PlanAllreduces(std::vector<Request>* requests) const;
   // Runs requests [begin, end), alike in dtype, op and scale factors, as one allreduce.
   void RunAllreduce(ProcessSet& set, const Request* begin, const Request* end);
   // The collective's span on each request's row, from the response's arrival.
   void TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
-                    const Response& resp, Timeline::Clock::time_point started);
+                    const std::vector<size_t>& ends, const Response& resp,
+                    Timeline::Clock::time_point started);
   struct Phase {
     const char* name;
     Timeline::Clock::time_point start, end;  // start is zero if the timeline was off

@@ -554,6 +554,39 @@ def test_groups(rank, size):
     for arrays, member_names in mine[1:] if rank == 1 else mine[:1] * 2:
         expect_run_error(arrays, member_names, "grp.m", "tensor 3 of group 'grp.m'",
                          "rank 0 sent 'grp.m.3'", "rank 1 sent a group of 3 tensors")
+    # Every member refused on rank 1 (an unknown compression), or a member name twice there:
+    # the group still reaches the coordinator, as rank 1's objection.
+    if rank == 1:
+        try:
+            _engine.run(_engine.ALLREDUCE, ones, names, op=OPS["Sum"], group="grp.m",
+                        compression=7)
+            fail("a group of refused tensors did not raise")
+        except ValueError as e:
+            if "unknown compression 7" not in str(e):
+                fail(f"a group of refused tensors: unexpected error {e}")
+    else:
+        expect_run_error(ones, names, "grp.m", "'grp.m' is invalid on rank 1",
+                         "every tensor of the group was refused")
+    if rank == 1:
+        expect_run_error(ones, names[:3] + names[:1], "grp.twice", "invalid group 'grp.twice'",
+                         "it names two tensors 'grp.m.0'")
+    else:
+        expect_run_error(ones, names, "grp.twice", "'grp.twice' is invalid on rank 1",
+                         "names two tensors 'grp.m.0'")
+    # Alike tensors fuse however the group interleaves them: two collectives here (float32,
+    # int64), or one per tensor without fusion.
+    mixed = [np.ones(1000, np.float32), np.ones(10, np.int64), np.ones(5, np.float32)]
+    before = _engine.stats()["collectives"]
+    got = _engine.run(_engine.ALLREDUCE, mixed, ["grp.x.0", "grp.x.1", "grp.x.2"],
+                      op=OPS["Sum"], group="grp.x")
+    for i, (x, out) in enumerate(zip(mixed, got)):
+        check(f"grp.x.{i}", out, x * size, exact=True)
+        if out.dtype != x.dtype:
+            fail(f"grp.x.{i}: dtype {out.dtype}, expected {x.dtype}")
+    fusing = _engine.parameters()["fusion_threshold"] > 0
+    if _engine.stats()["collectives"] - before != (2 if fusing else 3):
+        fail(f"group of float32, int64, float32 ran as "
+             f"{_engine.stats()['collectives'] - before} collectives")
     # Only allreduces form groups.
     try:
         _engine.run(_engine.BROADCAST, ones, names, group="grp.bc")

@@ -5,8 +5,9 @@
     timeline_worker.py killed PATH    rank 1 is killed (SIGKILL) while recording
 
 The sequence: three allreduces submitted together ("fused.*", held back by
-the cycle time so that they fuse), one allreduce alone ("single"), an
-allgather ("gather", one more row on rank 1) and a broadcast ("bcast").
+the cycle time so that they fuse), a group ("grp.*": float32, int64,
+float32), one allreduce alone ("single"), an allgather ("gather", one more
+row on rank 1) and a broadcast ("bcast").
 """
 
 import os
@@ -29,6 +30,9 @@ def sequence(step=""):
     ]
     for h in handles:
         h.wait()
+    # A group of float32, int64, float32: the two float32 tensors run fused, the int64 alone.
+    group = [np.ones(3, np.float32), np.ones(2, np.int64), np.ones(4, np.float32)]
+    _engine.run(_engine.ALLREDUCE, group, [f"grp.{k}{step}" for k in "abc"], group=f"grp{step}")
     _engine.submit(_engine.ALLREDUCE, np.ones(7, np.float64), f"single{step}").wait()
     rows = np.ones((kr.rank() + 1, 2), np.int32)
     _engine.submit(_engine.ALLGATHER, rows, f"gather{step}").wait()
