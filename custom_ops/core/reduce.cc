@@ -125,8 +125,9 @@ void UseKernelLevel(KernelLevel level) {
   LevelInUse().store(level, std::memory_order_relaxed);
 }
 
-void ReduceInto(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op,
-                KernelLevel level) {
+namespace {
+
+void CheckReduction(DataType dtype, ReduceOp op) {
   if (!IsValidDataType(static_cast<int>(dtype))) throw EngineError(InvalidDtype(dtype));
   if (op == ReduceOp::kAverage) {
     throw EngineError(
@@ -137,6 +138,19 @@ void ReduceInto(void* dst, const void* src, size_t count, DataType dtype, Reduce
     throw EngineError("keras-ring internal: invalid reduce op " +
                       std::to_string(static_cast<int>(op)));
   }
+}
+
+}  // namespace
+
+void ReduceTo(void* dst, const void* a, const void* b, size_t count, DataType dtype, ReduceOp op,
+              KernelLevel level) {
+  CheckReduction(dtype, op);
+  KernelsFor(level).reduce_to[static_cast<int>(dtype)][static_cast<int>(op)](dst, a, b, count);
+}
+
+void ReduceInto(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op,
+                KernelLevel level) {
+  CheckReduction(dtype, op);
   KernelsFor(level).reduce[static_cast<int>(dtype)][static_cast<int>(op)](dst, src, count);
 }
 

@@ -43,6 +43,10 @@ void UseKernelLevel(KernelLevel level);
 void ReduceInto(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op,
                 KernelLevel level = KernelLevelInUse());
 
+// dst[i] = a[i] (op) b[i]: ReduceInto of b into a copy of a, in one pass.
+void ReduceTo(void* dst, const void* a, const void* b, size_t count, DataType dtype, ReduceOp op,
+              KernelLevel level = KernelLevelInUse());
+
 // buf[i] = buf[i] * factor, computed in double (float for half types) and
 // converted back; integers truncate toward zero. factor == 1 is a no-op.
 void ScaleBuffer(void* buf, size_t count, DataType dtype, double factor,

@@ -19,6 +19,7 @@ namespace keras_ring {
 
 struct KernelTable {
   using ReduceFn = void (*)(void* dst, const void* src, size_t count);
+  using ReduceToFn = void (*)(void* dst, const void* a, const void* b, size_t count);
   using ScaleFn = void (*)(void* buf, size_t count, double factor);
   using ToFloatFn = void (*)(float* dst, const uint16_t* src, size_t count);
   using FromFloatFn = void (*)(uint16_t* dst, const float* src, size_t count);
@@ -26,6 +27,7 @@ struct KernelTable {
   // Indexed by the DataType and ReduceOp values; null for kAverage and for
   // values that name no op.
   ReduceFn reduce[8][6];
+  ReduceToFn reduce_to[8][6];  // the same, into a third buffer
   ScaleFn scale[8];
   ToFloatFn half_to_float, bfloat16_to_float;
   FromFloatFn float_to_half, float_to_bfloat16;

@@ -256,17 +256,15 @@ void ShmGroup::Allreduce(const ShmAllreduceOptions& o) {
       o.round_bytes ? std::max(kAlign, std::min(o.round_bytes, slot_bytes_)) : slot_bytes_;
   const size_t per_round = round_bytes / esize;
   const size_t align = kAlign / esize;
+  // This rank's own block need not be copied in: it is reduced straight from
+  // the input into the slot (dst = input op first peer's), a sixth less
+  // memory traffic at 2 ranks. Not when the input must be converted or
+  // scaled on the way in.
+  const bool reduce_from_input = p > 1 && wire == o.dtype && o.prescale_factor == 1.0;
   for (size_t begin = 0; begin < total; begin += per_round) {
     const uint64_t round = step_ / 2;
     const size_t n = std::min(per_round, total - begin);
     char* mine = Slot(rank_, round);
-    ForEachPiece(o.spans, starts, begin, n, false, span_esize,
-                 [&](char* in, size_t count, size_t at) {
-                   CopyElements(mine + at * esize, wire, in, o.dtype, count);
-                 });
-    ScaleBuffer(mine, n, wire, o.prescale_factor);
-    Arrive(step_ + 1);
-
     const size_t block = (n / p + (n % p != 0) + align - 1) / align * align;
     auto block_range = [&](int c, size_t* first, size_t* count) {
       *first = std::min(n, c * block);
@@ -274,10 +272,35 @@ void ShmGroup::Allreduce(const ShmAllreduceOptions& o) {
     };
     size_t first, count;
     block_range(rank_, &first, &count);
+    auto copy_in = [&](size_t from, size_t elements) {
+      ForEachPiece(o.spans, starts, begin + from, elements, false, span_esize,
+                   [&](char* in, size_t pieces, size_t at) {
+                     CopyElements(mine + (from + at) * esize, wire, in, o.dtype, pieces);
+                   });
+    };
+    if (reduce_from_input) {
+      copy_in(0, first);
+      copy_in(first + count, n - first - count);
+    } else {
+      copy_in(0, n);
+      ScaleBuffer(mine, n, wire, o.prescale_factor);
+    }
+    Arrive(step_ + 1);
+
+    bool reduced = !reduce_from_input;  // the slot's own block holds this rank's part
     for (int q = 0; q < p && count; ++q) {
-      if (q != rank_) {
-        ReduceInto(mine + first * esize, Slot(q, round) + first * esize, count, wire, op);
+      if (q == rank_) continue;
+      const char* theirs = Slot(q, round) + first * esize;
+      if (reduced) {
+        ReduceInto(mine + first * esize, theirs, count, wire, op);
+        continue;
       }
+      ForEachPiece(o.spans, starts, begin + first, count, false, span_esize,
+                   [&](char* in, size_t pieces, size_t at) {
+                     ReduceTo(mine + (first + at) * esize, in, theirs + at * esize, pieces,
+                              wire, op);
+                   });
+      reduced = true;
     }
     if (o.combine) o.combine(mine + first * esize, count);
     ScaleBuffer(mine + first * esize, count, wire, postscale);

@@ -27,6 +27,7 @@ using keras_ring::HalfToFloat;
 using keras_ring::KernelLevel;
 using keras_ring::KernelLevelName;
 using keras_ring::ReduceInto;
+using keras_ring::ReduceTo;
 using keras_ring::ScaleBuffer;
 
 float FloatFromBits(uint32_t bits) {
@@ -207,6 +208,8 @@ KR_TEST(KernelsRejectAverageAndInvalidEnums) {
                   EngineError, "invalid reduce op 2");
   KR_EXPECT_THROW(ReduceInto(&a, &b, 1, static_cast<DataType>(9), ReduceOp::kSum), EngineError,
                   "invalid dtype 9");
+  KR_EXPECT_THROW(ReduceTo(&a, &a, &b, 1, DataType::kFloat32, ReduceOp::kAverage), EngineError,
+                  "average");
   KR_EXPECT_THROW(ScaleBuffer(&a, 1, static_cast<DataType>(-1), 2.0), EngineError,
                   "invalid dtype -1");
 }
@@ -402,6 +405,14 @@ void CheckLevelReduceAndScale(KernelLevel level, const std::string& mode) {
       ReduceInto(got.data() + 1, b.data() + 1, count, D::kType, op, level);
       ReduceInto(want.data() + 1, b.data() + 1, count, D::kType, op, KernelLevel::kGeneric);
       if (!SameBits(got, want, std::string(keras_ring::ReduceOpName(op)) + ", " + where)) return;
+      // Into a third buffer: the same bits as reducing into a copy of a.
+      std::vector<S> to(a.size());
+      to[0] = a[0];
+      ReduceTo(to.data() + 1, a.data() + 1, b.data() + 1, count, D::kType, op, level);
+      if (!SameBits(to, want, std::string("ReduceTo ") + keras_ring::ReduceOpName(op) + ", " +
+                                  where)) {
+        return;
+      }
     }
     for (double factor : {0.5, -3.0, 1e-3, 1e30}) {
       std::vector<S> got = a, want = a;
