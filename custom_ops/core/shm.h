@@ -4,9 +4,10 @@
 // all the others: a small header (progress counter, stop flag, pid) and two
 // slots the size of a round. A collective moves through the buffers in
 // rounds; in each round every rank copies its part of the data into its
-// slot, then each rank reduces its own block straight from every peer's
-// slot, then each rank copies the finished blocks out of their owners'
-// slots. Where MPI's point-to-point path copies a message twice (into and
+// slot (all but its own block, when no conversion or prescale is needed),
+// then each rank reduces its own block straight from every peer's slot
+// (and from its input), then each rank copies the finished blocks out of
+// their owners' slots. Where MPI's point-to-point path copies a message twice (into and
 // out of its own shared buffers) before reducing it, here a peer's data is
 // read once, where it lies. The two slots alternate between rounds, so a
 // rank may fill round k+1 while its peers still read round k.
