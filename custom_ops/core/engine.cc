@@ -519,18 +519,16 @@ kr_status Engine::Enqueue(const kr_request* requests, int n, bool wake, const ch
     // objection.
     Request g;
     g.group = true;
-    g.meta.name = group;
-    g.meta.collective = Collective::kAllreduce;
-    g.process_set = requests[0].process_set;
     if (prepared.empty()) {
       g.meta.error = "every tensor of the group was refused here (each one's error says why)";
     } else {
-      g.meta = prepared[0].meta;
-      g.meta.name = group;
+      g.meta = prepared[0].meta;  // its reduction fields: what fusion compares
       g.meta.shape.clear();
-      g.process_set = prepared[0].process_set;
       g.submitted = prepared[0].submitted;
     }
+    g.meta.name = group;
+    g.meta.collective = Collective::kAllreduce;
+    g.process_set = requests[0].process_set;
     for (const Request& m : prepared) {
       if (m.meta.collective != Collective::kAllreduce || m.process_set != g.process_set) {
         // Every member fails, here and (as this rank's objection) on the other ranks.
@@ -1248,9 +1246,7 @@ void Engine::TraceRunning(const ProcessSet& set, const std::vector<Request>& req
   const char* span = CollectiveName(requests[0].meta.collective);  // written in capitals
   for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
     size_t bytes = 0;
-    for (size_t i = begin; i < ends[k]; ++i) {
-      bytes += ElementCount(requests[i].meta.shape) * DataTypeSize(requests[i].meta.dtype);
-    }
+    for (size_t i = begin; i < ends[k]; ++i) bytes += Bytes(requests[i].meta);
     // Every member counts the set's collectives alike: tensors with the
     // same group ran fused, on every rank.
     const auto args = std::make_shared<const std::string>(
@@ -1305,6 +1301,7 @@ std::vector<size_t> Engine::PlanAllreduces(std::vector<Request>* requests) const
   // threshold (a larger tensor alone; threshold 0: each alone). Every rank
   // has the same requests in the same order and the same settings (rank
   // 0's), so every rank plans the same collectives.
+  if (requests->size() == 1) return {1};  // the common case, without allocating
   std::vector<const TensorMeta*> kinds;
   std::vector<size_t> kind(requests->size());
   for (size_t i = 0; i < requests->size(); ++i) {
@@ -1321,14 +1318,9 @@ std::vector<size_t> Engine::PlanAllreduces(std::vector<Request>* requests) const
                      [&](size_t a, size_t b) { return kind[a] < kind[b]; });
     std::vector<Request> sorted;
     sorted.reserve(order.size());
-    std::vector<size_t> sorted_kind;
-    sorted_kind.reserve(order.size());
-    for (size_t i : order) {
-      sorted.push_back(std::move((*requests)[i]));
-      sorted_kind.push_back(kind[i]);
-    }
+    for (size_t i : order) sorted.push_back(std::move((*requests)[i]));
     *requests = std::move(sorted);
-    kind = std::move(sorted_kind);
+    std::sort(kind.begin(), kind.end());  // the kinds in their new order
   }
   std::vector<size_t> ends;
   size_t bytes = 0;

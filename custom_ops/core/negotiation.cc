@@ -465,7 +465,7 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
     std::string why = GroupDisagreement(name, e);
     if (!why.empty()) return why;
   }
-  for (int r = first_rank + 1; r < size_ && agree && !group; ++r) {
+  for (int r = first_rank + 1; r < size_ && agree && !group; ++r) {  // groups: compared above
     if (!e.present[r]) continue;
     const TensorMeta& m = e.metas[r];
     agree = m.collective == first.collective && m.dtype == first.dtype;
