@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <memory>
@@ -18,39 +19,23 @@ namespace py = pybind11;
 
 namespace {
 
-// Completion state shared by the engine's thread and Python. Holds no Python
-// objects: the engine's thread (which may be a waiting caller without the
-// GIL) must never touch them.
-struct Completion {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool finished = false;
+class Call;
+
+// What the engine leaves for one request: its status and any output it
+// allocated (allgather and others). Written from the engine's thread.
+struct Outcome {
+  Call* call = nullptr;
   kr_status status = KR_OK;
   std::string message;
-  std::vector<char> gathered;           // output the engine allocates (allgather and others)
+  size_t element_size = 0;
+  std::vector<char> gathered;
   std::vector<int64_t> gathered_shape;
   std::vector<int64_t> received_splits;  // alltoall
 
-  static void Done(void* ctx, kr_status status, const char* message) {
-    auto* self = static_cast<std::shared_ptr<Completion>*>(ctx);
-    {
-      std::lock_guard<std::mutex> lock((*self)->mu);
-      (*self)->status = status;
-      (*self)->message = message ? message : "";
-      (*self)->finished = true;
-    }
-    (*self)->cv.notify_all();
-    delete self;
-  }
-
-  static int Finished(void* ctx) {
-    auto* self = static_cast<Completion*>(ctx);
-    std::lock_guard<std::mutex> lock(self->mu);
-    return self->finished;
-  }
+  static void Done(void* ctx, kr_status status, const char* message);
 
   static void* Allocate(void* ctx, int ndim, const int64_t* shape) {
-    auto& self = *static_cast<std::shared_ptr<Completion>*>(ctx);
+    auto* self = static_cast<Outcome*>(ctx);
     try {
       self->gathered_shape.assign(shape, shape + ndim);
       size_t count = 1;
@@ -61,9 +46,56 @@ struct Completion {
       return nullptr;  // the engine reports the failed allocation
     }
   }
-
-  size_t element_size = 0;
 };
+
+// The requests of one submit() or run() call and how many are still pending:
+// one count and one wake-up for the call, not one per request, which was
+// most of the binding's cost per small array. Holds no Python objects: the
+// engine's thread (which may be a waiting caller without the GIL) must never
+// touch them.
+class Call : public std::enable_shared_from_this<Call> {
+ public:
+  explicit Call(size_t n) : outcomes_(n), pending_(n) {
+    for (Outcome& o : outcomes_) o.call = this;
+  }
+
+  Outcome& outcome(size_t i) { return outcomes_[i]; }
+  bool finished() const { return pending_.load(std::memory_order_acquire) == 0; }
+
+  // Runs the engine on this thread until every request is done (the fastest
+  // way to wait), then waits for the last completion to let go of the call.
+  // Without the GIL.
+  void Wait() {
+    if (!finished()) kr_drive(&Finished, this);
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return all_done_; });
+  }
+
+  void OneDone() {
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    // The waiter may free the call once all_done_ is set: keep it meanwhile.
+    const std::shared_ptr<Call> keep = shared_from_this();
+    std::lock_guard<std::mutex> lock(mu_);
+    all_done_ = true;
+    cv_.notify_all();
+  }
+
+  static int Finished(void* ctx) { return static_cast<Call*>(ctx)->finished(); }
+
+ private:
+  std::vector<Outcome> outcomes_;  // never resized: the engine holds pointers into it
+  std::atomic<size_t> pending_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool all_done_ = false;
+};
+
+void Outcome::Done(void* ctx, kr_status status, const char* message) {
+  auto* self = static_cast<Outcome*>(ctx);
+  self->status = status;
+  if (status != KR_OK && message) self->message = message;
+  self->call->OneDone();
+}
 
 kr_dtype ToKrDtype(const py::dtype& dt) {
   // By kind and size, read straight from the descriptor: asking NumPy for the
@@ -90,55 +122,6 @@ void RaiseFor(kr_status status, const std::string& message) {
   throw std::runtime_error(message);
 }
 
-// A submitted collective. Keeps the arrays alive until the engine is done.
-class Handle {
- public:
-  Handle(py::array input, py::object output, std::shared_ptr<Completion> completion)
-      : input_(std::move(input)), output_(std::move(output)), completion_(std::move(completion)) {}
-  ~Handle() {
-    if (Completion::Finished(completion_.get())) return;
-    py::gil_scoped_release release;
-    WaitFinished();
-  }
-
-  bool done() {
-    std::lock_guard<std::mutex> lock(completion_->mu);
-    return completion_->finished;
-  }
-
-  py::list received_splits() {
-    wait();
-    py::list out;
-    for (int64_t s : completion_->received_splits) out.append(s);
-    return out;
-  }
-
-  py::array wait() {
-    if (!Completion::Finished(completion_.get())) {  // else no need to let go of the GIL
-      py::gil_scoped_release release;
-      WaitFinished();
-    }
-    if (completion_->status != KR_OK) RaiseFor(completion_->status, completion_->message);
-    if (!output_.is_none()) return output_;
-    py::array out(input_.dtype(), completion_->gathered_shape);
-    std::memcpy(out.mutable_data(), completion_->gathered.data(), out.nbytes());
-    return out;
-  }
-
-  Completion* completion() const { return completion_.get(); }
-
- private:
-  void WaitFinished() {
-    if (!Completion::Finished(completion_.get())) kr_drive(&Completion::Finished, completion_.get());
-    std::unique_lock<std::mutex> lock(completion_->mu);
-    completion_->cv.wait(lock, [&] { return completion_->finished; });
-  }
-
-  py::array input_;
-  py::object output_;  // None when the engine allocates the output
-  std::shared_ptr<Completion> completion_;
-};
-
 // What the requests of one call share.
 struct Args {
   int collective = KR_ALLREDUCE;
@@ -150,44 +133,76 @@ struct Args {
   int compression = KR_COMPRESSION_NONE;
 };
 
-// A request ready to enqueue and the handle that waits for it. The request
-// points into this object and into the Args it was made from.
-struct Prepared {
-  kr_request request{};
-  std::string name;
-  std::vector<int64_t> shape;
-  std::unique_ptr<Handle> handle;
+// The arrays of one call, kept alive until the engine is done with them, and
+// the requests that point into them (and into the call's Args).
+struct Arrays {
+  std::vector<py::array> inputs;
+  std::vector<py::object> outputs;  // None where the engine allocates the output
+  std::vector<kr_request> requests;
 };
 
-std::unique_ptr<Prepared> Prepare(const Args& a, py::array array, std::string name) {
-  auto p = std::make_unique<Prepared>();
+static_assert(sizeof(py::ssize_t) == sizeof(int64_t), "shapes are passed to the engine as is");
+
+bool WritesOutput(int collective) {
+  return collective == KR_ALLREDUCE || collective == KR_BROADCAST || collective == KR_JOIN;
+}
+
+py::array Input(const py::handle& array) {
   py::array input = py::array::ensure(array, py::array::c_style);
   if (!input) throw py::type_error("keras-ring: expected an array-like input");
-  kr_dtype dtype = ToKrDtype(input.dtype());
-  p->name = std::move(name);
-  p->shape.assign(input.shape(), input.shape() + input.ndim());
-  py::object output = py::none();
-  void* output_data = nullptr;
-  if (a.collective == KR_ALLREDUCE || a.collective == KR_BROADCAST || a.collective == KR_JOIN) {
-    py::array out(input.dtype(), std::vector<py::ssize_t>(p->shape.begin(), p->shape.end()));
-    output_data = out.mutable_data();
-    output = std::move(out);
+  return input;
+}
+
+// Outputs shaped like `inputs`, as views into one allocation (one malloc and
+// one free per call rather than per array: a 4 KiB array each costs about as
+// much as the engine's own work on it).
+std::vector<py::array> OutputsLike(const std::vector<py::array>& inputs) {
+  std::vector<py::array> outputs;
+  outputs.reserve(inputs.size());
+  if (inputs.size() == 1) {
+    const py::array& in = inputs[0];
+    outputs.emplace_back(in.dtype(), std::vector<py::ssize_t>(in.shape(), in.shape() + in.ndim()));
+    return outputs;
   }
-  auto completion = std::make_shared<Completion>();
-  completion->element_size = static_cast<size_t>(input.itemsize());
+  constexpr size_t kAlign = 64;
+  std::vector<size_t> offsets;
+  offsets.reserve(inputs.size());
+  size_t total = 0;
+  for (const py::array& in : inputs) {
+    offsets.push_back(total);
+    total += (static_cast<size_t>(in.nbytes()) + kAlign - 1) / kAlign * kAlign;
+  }
+  py::array_t<uint8_t> base(static_cast<py::ssize_t>(total + kAlign));
+  const auto start = reinterpret_cast<uintptr_t>(base.mutable_data());
+  uint8_t* aligned = base.mutable_data() + (kAlign - start % kAlign) % kAlign;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const py::array& in = inputs[i];
+    outputs.emplace_back(in.dtype(), std::vector<py::ssize_t>(in.shape(), in.shape() + in.ndim()),
+                         std::vector<py::ssize_t>(), aligned + offsets[i], base);
+  }
+  return outputs;
+}
+
+static_assert(sizeof(py::ssize_t) == sizeof(int64_t), "shapes are passed to the engine as is");
+
+// The request for `input` (named `name`, which must outlive the call) whose
+// completion goes to `outcome`; `output` is where the result goes (NULL for
+// the collectives whose output the engine allocates).
+kr_request Prepare(const Args& a, const py::array& input, void* output, const char* name,
+                   Outcome* outcome) {
+  outcome->element_size = static_cast<size_t>(input.itemsize());
   if (a.collective == KR_ALLTOALL) {
     const int set_size = kr_process_set_ranks(a.process_set, nullptr, 0);
-    completion->received_splits.resize(set_size > 0 ? set_size : 0);
+    outcome->received_splits.resize(set_size > 0 ? set_size : 0);
   }
-
-  kr_request& r = p->request;
-  r.name = p->name.c_str();
+  kr_request r{};
+  r.name = name;
   r.collective = static_cast<kr_collective>(a.collective);
-  r.dtype = dtype;
-  r.ndim = static_cast<int>(p->shape.size());
-  r.shape = p->shape.data();
+  r.dtype = ToKrDtype(input.dtype());
+  r.ndim = static_cast<int>(input.ndim());
+  r.shape = reinterpret_cast<const int64_t*>(input.shape());
   r.input = input.data();
-  r.output = output_data;
+  r.output = output;
   r.reduce_op = static_cast<kr_reduce_op>(a.op);
   r.prescale_factor = a.prescale;
   r.postscale_factor = a.postscale;
@@ -195,76 +210,135 @@ std::unique_ptr<Prepared> Prepare(const Args& a, py::array array, std::string na
   r.root_rank = a.root_rank;
   r.splits = a.splits.data();
   r.nsplits = static_cast<int>(a.splits.size());
-  r.received_splits = completion->received_splits.empty() ? nullptr
-                                                          : completion->received_splits.data();
+  r.received_splits = outcome->received_splits.empty() ? nullptr
+                                                       : outcome->received_splits.data();
   r.device = KR_DEVICE_CPU;
   r.process_set = a.process_set;
-  r.allocate_output = &Completion::Allocate;
-  r.done = &Completion::Done;
-  r.ctx = new std::shared_ptr<Completion>(completion);
-  p->handle = std::make_unique<Handle>(std::move(input), std::move(output), std::move(completion));
-  return p;
+  r.allocate_output = &Outcome::Allocate;
+  r.done = &Outcome::Done;
+  r.ctx = outcome;
+  return r;
 }
 
-std::unique_ptr<Handle> Submit(int collective, py::array array, const std::string& name, int op,
-                               double prescale, double postscale, int root_rank,
+// The requests of a call on `inputs`, with their outputs.
+void PrepareAll(const Args& a, std::vector<py::array> inputs, const std::vector<const char*>& names,
+                Call* call, Arrays* arrays) {
+  arrays->inputs = std::move(inputs);
+  const size_t n = arrays->inputs.size();
+  std::vector<py::array> outputs;
+  if (WritesOutput(a.collective)) outputs = OutputsLike(arrays->inputs);
+  arrays->requests.reserve(n);
+  arrays->outputs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    void* output = outputs.empty() ? nullptr : outputs[i].mutable_data();
+    arrays->requests.push_back(Prepare(a, arrays->inputs[i], output, names[i], &call->outcome(i)));
+    arrays->outputs.push_back(outputs.empty() ? py::object(py::none()) : std::move(outputs[i]));
+  }
+}
+
+// Request i's result, once its call has finished: raises its error.
+py::object Result(Call& call, const Arrays& arrays, size_t i) {
+  const Outcome& o = call.outcome(i);
+  if (o.status != KR_OK) RaiseFor(o.status, o.message);
+  if (!arrays.outputs[i].is_none()) return arrays.outputs[i];
+  py::array out(arrays.inputs[i].dtype(), o.gathered_shape);
+  std::memcpy(out.mutable_data(), o.gathered.data(), out.nbytes());
+  return std::move(out);
+}
+
+// A submitted collective. Keeps its arrays alive until the engine is done.
+class Handle {
+ public:
+  Handle(std::shared_ptr<Call> call, Arrays arrays)
+      : call_(std::move(call)), arrays_(std::move(arrays)) {}
+  ~Handle() {
+    if (call_->finished()) return;
+    py::gil_scoped_release release;
+    call_->Wait();
+  }
+
+  bool done() const { return call_->finished(); }
+
+  py::list received_splits() {
+    wait();
+    py::list out;
+    for (int64_t s : call_->outcome(0).received_splits) out.append(s);
+    return out;
+  }
+
+  py::object wait() {
+    if (!call_->finished()) {  // else no need to let go of the GIL
+      py::gil_scoped_release release;
+      call_->Wait();
+    }
+    return Result(*call_, arrays_, 0);
+  }
+
+ private:
+  std::shared_ptr<Call> call_;
+  Arrays arrays_;
+};
+
+std::unique_ptr<Handle> Submit(int collective, const py::object& array, const std::string& name,
+                               int op, double prescale, double postscale, int root_rank,
                                std::vector<int64_t> splits, int32_t process_set,
                                int compression) {
   const Args a{collective, op, prescale, postscale, root_rank, std::move(splits), process_set,
                compression};
-  auto p = Prepare(a, std::move(array), name);
-  kr_enqueue(&p->request);  // refusals arrive through done, like any other outcome
-  return std::move(p->handle);
+  auto call = std::make_shared<Call>(1);
+  Arrays arrays;
+  PrepareAll(a, {Input(array)}, {name.c_str()}, call.get(), &arrays);
+  kr_enqueue(&arrays.requests[0]);  // refusals arrive through done, like any other outcome
+  return std::make_unique<Handle>(std::move(call), std::move(arrays));
 }
-
-// Whether every completion of a call has finished; `next` skips those seen.
-struct AllFinished {
-  std::vector<Completion*> completions;
-  size_t next = 0;
-
-  static int Check(void* ctx) {
-    auto* self = static_cast<AllFinished*>(ctx);
-    while (self->next < self->completions.size() &&
-           Completion::Finished(self->completions[self->next])) {
-      ++self->next;
-    }
-    return self->next == self->completions.size();
-  }
-};
 
 // Submits a collective for each array (named by `names`) and waits for all,
 // this thread running the engine meanwhile; returns their results in order.
 // With a `group` name, the allreduces form one group (kr_enqueue_and_drive).
-py::list Run(int collective, const std::vector<py::array>& arrays,
-             const std::vector<std::string>& names, int op, double prescale, double postscale,
-             int root_rank, std::vector<int64_t> splits, int32_t process_set, int compression,
-             const std::string& group) {
-  if (arrays.size() != names.size()) {
+py::list Run(int collective, const py::sequence& arrays, const py::sequence& names, int op,
+             double prescale, double postscale, int root_rank, std::vector<int64_t> splits,
+             int32_t process_set, int compression, const std::string& group) {
+  if (PyUnicode_Check(names.ptr())) {
+    throw py::type_error("keras-ring: run() needs a sequence of names, one per array. "
+                         "Received: names=" + py::repr(names).cast<std::string>());
+  }
+  const size_t n = arrays.size();
+  if (n != names.size()) {
     throw py::value_error("keras-ring: run() needs one name per array. Received: " +
-                          std::to_string(arrays.size()) + " arrays and " +
-                          std::to_string(names.size()) + " names");
+                          std::to_string(n) + " arrays and " + std::to_string(names.size()) +
+                          " names");
   }
   const Args a{collective, op, prescale, postscale, root_rank, std::move(splits), process_set,
                compression};
-  std::vector<std::unique_ptr<Prepared>> prepared;
-  std::vector<kr_request> requests;
-  AllFinished all;
-  prepared.reserve(arrays.size());
-  requests.reserve(arrays.size());
-  all.completions.reserve(arrays.size());
-  for (size_t i = 0; i < arrays.size(); ++i) {
-    prepared.push_back(Prepare(a, arrays[i], names[i]));
-    requests.push_back(prepared.back()->request);
-    all.completions.push_back(prepared.back()->handle->completion());
+  // The names' UTF-8 lives in the str objects, which `name_refs` keeps.
+  std::vector<py::object> name_refs;
+  std::vector<const char*> name_ptrs;
+  std::vector<py::array> inputs;
+  name_refs.reserve(n);
+  name_ptrs.reserve(n);
+  inputs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    name_refs.push_back(names[i]);
+    if (!PyUnicode_Check(name_refs.back().ptr())) {
+      throw py::type_error("keras-ring: run() names must be str. Received: names[" +
+                           std::to_string(i) + "]=" + py::repr(name_refs.back()).cast<std::string>());
+    }
+    name_ptrs.push_back(PyUnicode_AsUTF8(name_refs.back().ptr()));
+    if (!name_ptrs.back()) throw py::error_already_set();
+    inputs.push_back(Input(arrays[i]));
   }
+  auto call = std::make_shared<Call>(n);
+  Arrays prepared;
+  PrepareAll(a, std::move(inputs), name_ptrs, call.get(), &prepared);
   {
     py::gil_scoped_release release;
     // Refusals arrive through done, like any other outcome.
-    kr_enqueue_and_drive(requests.data(), static_cast<int>(requests.size()), group.c_str(),
-                         &AllFinished::Check, &all);
+    kr_enqueue_and_drive(prepared.requests.data(), static_cast<int>(n), group.c_str(),
+                         &Call::Finished, call.get());
+    call->Wait();
   }
-  py::list results;
-  for (auto& p : prepared) results.append(p->handle->wait());
+  py::list results(n);
+  for (size_t i = 0; i < n; ++i) results[i] = Result(*call, prepared, i);
   return results;
 }
 
