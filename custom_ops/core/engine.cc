@@ -431,19 +431,19 @@ kr_status Engine::Prepare(const kr_request& r, Request* out) {
     r.done(r.ctx, status, message.c_str());
     return status;
   };
-  std::string name = r.name ? r.name : "";
+  // Filled in place: a request is prepared for every tensor of every step.
+  Request& req = *out;
+  req.meta.name = r.name ? r.name : "";
   auto bad = [&](const std::string& what) {
-    return refuse(KR_INVALID_ARGUMENT, "keras-ring: invalid request for tensor '" + name +
-                                           "': " + what);
+    return refuse(KR_INVALID_ARGUMENT, "keras-ring: invalid request for tensor '" +
+                                           req.meta.name + "': " + what);
   };
-  if (name.empty()) return bad("a tensor name is required");
+  if (req.meta.name.empty()) return bad("a tensor name is required");
   if (!IsValidCollective(r.collective)) return bad("unknown collective " + std::to_string(r.collective));
   if (!IsValidDataType(r.dtype)) return bad("unsupported dtype code " + std::to_string(r.dtype));
   if (r.ndim < 0 || (r.ndim > 0 && !r.shape)) return bad("invalid shape");
   if (r.device != KR_DEVICE_CPU) return bad("only host (CPU) memory is supported in this build");
 
-  Request req;
-  req.meta.name = name;
   req.meta.collective = static_cast<Collective>(r.collective);
   req.meta.dtype = static_cast<DataType>(r.dtype);
   req.meta.wire_dtype = req.meta.dtype;
@@ -496,7 +496,6 @@ kr_status Engine::Prepare(const kr_request& r, Request* out) {
   req.ctx = r.ctx;
   req.process_set = r.process_set;
   if (timeline_.on()) req.submitted = Timeline::Clock::now();
-  *out = std::move(req);
   return KR_OK;
 }
 

@@ -55,11 +55,23 @@ struct Outcome {
 // touch them.
 class Call : public std::enable_shared_from_this<Call> {
  public:
-  explicit Call(size_t n) : outcomes_(n), pending_(n) {
+  explicit Call(size_t n) : outcomes_(n), pending_(n), all_done_(n == 0) {
     for (Outcome& o : outcomes_) o.call = this;
   }
 
   Outcome& outcome(size_t i) { return outcomes_[i]; }
+  const Outcome& outcome(size_t i) const { return outcomes_[i]; }
+
+  // Readies a call whose requests have all finished (or never started) to
+  // run them again.
+  void Reset() {
+    for (Outcome& o : outcomes_) {
+      o.status = KR_OK;
+      o.message.clear();
+    }
+    pending_.store(outcomes_.size(), std::memory_order_relaxed);
+    all_done_ = outcomes_.empty();
+  }
   bool finished() const { return pending_.load(std::memory_order_acquire) == 0; }
 
   // Runs the engine on this thread until every request is done (the fastest
@@ -87,7 +99,7 @@ class Call : public std::enable_shared_from_this<Call> {
   std::atomic<size_t> pending_;
   std::mutex mu_;
   std::condition_variable cv_;
-  bool all_done_ = false;
+  bool all_done_;
 };
 
 void Outcome::Done(void* ctx, kr_status status, const char* message) {
@@ -237,7 +249,7 @@ void PrepareAll(const Args& a, std::vector<py::array> inputs, const std::vector<
 }
 
 // Request i's result, once its call has finished: raises its error.
-py::object Result(Call& call, const Arrays& arrays, size_t i) {
+py::object Result(const Call& call, const Arrays& arrays, size_t i) {
   const Outcome& o = call.outcome(i);
   if (o.status != KR_OK) RaiseFor(o.status, o.message);
   if (!arrays.outputs[i].is_none()) return arrays.outputs[i];
@@ -292,54 +304,84 @@ std::unique_ptr<Handle> Submit(int collective, const py::object& array, const st
   return std::make_unique<Handle>(std::move(call), std::move(arrays));
 }
 
-// Submits a collective for each array (named by `names`) and waits for all,
-// this thread running the engine meanwhile; returns their results in order.
-// With a `group` name, the allreduces form one group (kr_enqueue_and_drive).
+// The requests of a run() call on `arrays` (named by `names`), ready to run.
+class Batch {
+ public:
+  Batch(Args args, const py::sequence& arrays, const py::sequence& names, std::string group)
+      : args_(std::move(args)), group_(std::move(group)) {
+    if (PyUnicode_Check(names.ptr())) {
+      throw py::type_error("keras-ring: run() needs a sequence of names, one per array. "
+                           "Received: names=" + py::repr(names).cast<std::string>());
+    }
+    const size_t n = arrays.size();
+    if (n != names.size()) {
+      throw py::value_error("keras-ring: run() needs one name per array. Received: " +
+                            std::to_string(n) + " arrays and " + std::to_string(names.size()) +
+                            " names");
+    }
+    // The requests point to the names' UTF-8, which lives in the str objects.
+    std::vector<const char*> name_ptrs;
+    std::vector<py::array> inputs;
+    names_.reserve(n);
+    name_ptrs.reserve(n);
+    inputs.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      names_.push_back(names[i]);
+      if (!PyUnicode_Check(names_.back().ptr())) {
+        throw py::type_error("keras-ring: run() names must be str. Received: names[" +
+                             std::to_string(i) + "]=" +
+                             py::repr(names_.back()).cast<std::string>());
+      }
+      name_ptrs.push_back(PyUnicode_AsUTF8(names_.back().ptr()));
+      if (!name_ptrs.back()) throw py::error_already_set();
+      inputs.push_back(Input(arrays[i]));
+    }
+    call_ = std::make_shared<Call>(n);
+    PrepareAll(args_, std::move(inputs), name_ptrs, call_.get(), &arrays_);
+  }
+
+  // Runs every request, this thread running the engine while it waits (the
+  // fastest way to wait); with a group name, the allreduces form one group
+  // (kr_enqueue_and_drive). Raises the first request's error, if any.
+  void Execute() {
+    call_->Reset();
+    {
+      py::gil_scoped_release release;
+      // Refusals arrive through done, like any other outcome.
+      kr_enqueue_and_drive(arrays_.requests.data(), static_cast<int>(arrays_.requests.size()),
+                           group_.c_str(), &Call::Finished, call_.get());
+      call_->Wait();
+    }
+    for (size_t i = 0; i < arrays_.requests.size(); ++i) {
+      const Outcome& o = call_->outcome(i);
+      if (o.status != KR_OK) RaiseFor(o.status, o.message);
+    }
+  }
+
+  // The results of the last Execute(), in order.
+  py::list Results() const {
+    py::list results(arrays_.requests.size());
+    for (size_t i = 0; i < arrays_.requests.size(); ++i) results[i] = Result(*call_, arrays_, i);
+    return results;
+  }
+
+ private:
+  Args args_;  // the requests point into its splits
+  std::string group_;
+  std::vector<py::object> names_;
+  Arrays arrays_;
+  std::shared_ptr<Call> call_;
+};
+
+// Runs a collective on each array (named by `names`) and returns their results in order.
 py::list Run(int collective, const py::sequence& arrays, const py::sequence& names, int op,
              double prescale, double postscale, int root_rank, std::vector<int64_t> splits,
              int32_t process_set, int compression, const std::string& group) {
-  if (PyUnicode_Check(names.ptr())) {
-    throw py::type_error("keras-ring: run() needs a sequence of names, one per array. "
-                         "Received: names=" + py::repr(names).cast<std::string>());
-  }
-  const size_t n = arrays.size();
-  if (n != names.size()) {
-    throw py::value_error("keras-ring: run() needs one name per array. Received: " +
-                          std::to_string(n) + " arrays and " + std::to_string(names.size()) +
-                          " names");
-  }
-  const Args a{collective, op, prescale, postscale, root_rank, std::move(splits), process_set,
-               compression};
-  // The names' UTF-8 lives in the str objects, which `name_refs` keeps.
-  std::vector<py::object> name_refs;
-  std::vector<const char*> name_ptrs;
-  std::vector<py::array> inputs;
-  name_refs.reserve(n);
-  name_ptrs.reserve(n);
-  inputs.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    name_refs.push_back(names[i]);
-    if (!PyUnicode_Check(name_refs.back().ptr())) {
-      throw py::type_error("keras-ring: run() names must be str. Received: names[" +
-                           std::to_string(i) + "]=" + py::repr(name_refs.back()).cast<std::string>());
-    }
-    name_ptrs.push_back(PyUnicode_AsUTF8(name_refs.back().ptr()));
-    if (!name_ptrs.back()) throw py::error_already_set();
-    inputs.push_back(Input(arrays[i]));
-  }
-  auto call = std::make_shared<Call>(n);
-  Arrays prepared;
-  PrepareAll(a, std::move(inputs), name_ptrs, call.get(), &prepared);
-  {
-    py::gil_scoped_release release;
-    // Refusals arrive through done, like any other outcome.
-    kr_enqueue_and_drive(prepared.requests.data(), static_cast<int>(n), group.c_str(),
-                         &Call::Finished, call.get());
-    call->Wait();
-  }
-  py::list results(n);
-  for (size_t i = 0; i < n; ++i) results[i] = Result(*call, prepared, i);
-  return results;
+  Batch batch({collective, op, prescale, postscale, root_rank, std::move(splits), process_set,
+               compression},
+              arrays, names, group);
+  batch.Execute();
+  return batch.Results();
 }
 
 void Check(kr_status status, const char* err) {
@@ -522,6 +564,16 @@ PYBIND11_MODULE(_engine, m) {
         "order; the calling thread runs the engine meanwhile (the fastest way to wait). "
         "With a `group` name, allreduces are agreed as one group: every rank must pass the "
         "same group and names.");
+  py::class_<Batch>(m, "_PreparedRun")
+      .def(py::init([](int collective, const py::sequence& arrays, const py::sequence& names,
+                       int op, const std::string& group) {
+             return std::make_unique<Batch>(Args{collective, op}, arrays, names, group);
+           }),
+           py::arg("collective"), py::arg("arrays"), py::arg("names"),
+           py::arg("op") = static_cast<int>(KR_SUM), py::arg("group") = "")
+      .def("run", &Batch::Execute,
+           "Runs the prepared collectives again (every rank alike) into the same outputs.")
+      .def("results", &Batch::Results, "The outputs of the last run, in order.");
   m.attr("COMPRESSION_FP16") = static_cast<int>(KR_COMPRESSION_FP16);
   m.attr("COMPRESSION_BF16") = static_cast<int>(KR_COMPRESSION_BF16);
 }

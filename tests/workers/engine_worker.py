@@ -488,6 +488,46 @@ def test_run(rank, size):
     except ValueError as e:
         if "one name per array" not in str(e):
             fail(f"run() with a name too many: unexpected error {e}")
+    for names, why in (("ab", "a str for names"), ([b"a", b"b"], "bytes names")):
+        try:
+            _engine.run(_engine.ALLREDUCE, [np.ones(2, np.float32)] * 2, names)
+            fail(f"run() with {why} did not raise")
+        except TypeError as e:
+            if "Received: names" not in str(e):
+                fail(f"run() with {why}: unexpected error {e}")
+    if _engine.run(_engine.ALLREDUCE, [], []) != []:
+        fail("run() of nothing did not return []")
+    # The outputs of one call share one allocation: each is still its own array.
+    got = _engine.run(_engine.ALLREDUCE, [np.ones(3, np.float16), np.ones(5, np.int64)],
+                      ["run.own.0", "run.own.1"], op=OPS["Sum"])
+    got[0][:] = -1
+    check("run.own.1", got[1], np.full(5, size), exact=True)
+    del got[0]
+    check("run.own.1", got[0], np.full(5, size), exact=True)
+
+
+def test_prepared_run(rank, size):
+    """_PreparedRun (the fusion benchmark's engine-only timing): the same requests run again."""
+    xs = [np.full(n, rank + 1, dtype) for n, dtype in ((5, np.float32), (0, np.float32),
+                                                        (1001, np.float64), (7, np.int32))]
+    names = [f"prep.{i}" for i in range(len(xs))]
+    for group in ("", "prep"):
+        prepared = _engine._PreparedRun(_engine.ALLREDUCE, xs, names, op=OPS["Sum"], group=group)
+        for step in range(3):
+            for x in xs:
+                x[:] = rank + step  # the prepared requests read the arrays as they are now
+            prepared.run()
+            for name, x, out in zip(names, xs, prepared.results()):
+                check(f"{name} step {step}", out, np.full(x.shape, sum(r + step for r in
+                                                                       range(size))), exact=True)
+    bad = _engine._PreparedRun(_engine.ALLREDUCE, [np.ones(2 + rank, np.float32)], ["prep.bad"])
+    for _ in range(2):
+        try:
+            bad.run()
+            fail("a prepared run with mismatched shapes did not raise")
+        except ValueError as e:
+            if "prep.bad" not in str(e):
+                fail(f"prepared run error does not name the tensor: {e}")
 
 
 def test_groups(rank, size):
@@ -669,10 +709,8 @@ def main():
         fail(f"size {size}, expected {expected}")
     for test in (test_allreduce, test_allgather, test_reducescatter, test_alltoall,
                  test_broadcast, test_out_of_order, test_fusion, test_compression, test_transport,
-                 test_objects,
-                 test_mismatch,
-                 test_duplicate_name, test_cache, test_join, test_run, test_groups, test_threads,
-                 test_restart):
+                 test_objects, test_mismatch, test_duplicate_name, test_cache, test_join,
+                 test_run, test_prepared_run, test_groups, test_threads, test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)
 
