@@ -62,6 +62,13 @@ class Call : public std::enable_shared_from_this<Call> {
   Outcome& outcome(size_t i) { return outcomes_[i]; }
   const Outcome& outcome(size_t i) const { return outcomes_[i]; }
 
+  // Whether every request has completed and the engine has let go of the
+  // call (the last completion sets this after its count reaches zero).
+  bool done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return all_done_;
+  }
+
   // Readies a call whose requests have all finished (or never started) to
   // run them again.
   void Reset() {
@@ -72,13 +79,11 @@ class Call : public std::enable_shared_from_this<Call> {
     pending_.store(outcomes_.size(), std::memory_order_relaxed);
     all_done_ = outcomes_.empty();
   }
-  bool finished() const { return pending_.load(std::memory_order_acquire) == 0; }
-
   // Runs the engine on this thread until every request is done (the fastest
   // way to wait), then waits for the last completion to let go of the call.
   // Without the GIL.
   void Wait() {
-    if (!finished()) kr_drive(&Finished, this);
+    if (!Finished(this)) kr_drive(&Finished, this);
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return all_done_; });
   }
@@ -92,7 +97,12 @@ class Call : public std::enable_shared_from_this<Call> {
     cv_.notify_all();
   }
 
-  static int Finished(void* ctx) { return static_cast<Call*>(ctx)->finished(); }
+  // For kr_drive: whether every request has completed (the last one may
+  // still be inside its done callback: only Wait() and done() say that the
+  // call may be freed).
+  static int Finished(void* ctx) {
+    return static_cast<Call*>(ctx)->pending_.load(std::memory_order_acquire) == 0;
+  }
 
  private:
   std::vector<Outcome> outcomes_;  // never resized: the engine holds pointers into it
@@ -195,8 +205,6 @@ std::vector<py::array> OutputsLike(const std::vector<py::array>& inputs) {
   return outputs;
 }
 
-static_assert(sizeof(py::ssize_t) == sizeof(int64_t), "shapes are passed to the engine as is");
-
 // The request for `input` (named `name`, which must outlive the call) whose
 // completion goes to `outcome`; `output` is where the result goes (NULL for
 // the collectives whose output the engine allocates).
@@ -264,12 +272,14 @@ class Handle {
   Handle(std::shared_ptr<Call> call, Arrays arrays)
       : call_(std::move(call)), arrays_(std::move(arrays)) {}
   ~Handle() {
-    if (call_->finished()) return;
+    if (call_->done()) return;
     py::gil_scoped_release release;
     call_->Wait();
   }
 
-  bool done() const { return call_->finished(); }
+  bool done() { return call_->done(); }
+
+  kr_request* request() { return &arrays_.requests[0]; }
 
   py::list received_splits() {
     wait();
@@ -279,7 +289,7 @@ class Handle {
   }
 
   py::object wait() {
-    if (!call_->finished()) {  // else no need to let go of the GIL
+    if (!call_->done()) {  // else no need to let go of the GIL
       py::gil_scoped_release release;
       call_->Wait();
     }
@@ -300,8 +310,9 @@ std::unique_ptr<Handle> Submit(int collective, const py::object& array, const st
   auto call = std::make_shared<Call>(1);
   Arrays arrays;
   PrepareAll(a, {Input(array)}, {name.c_str()}, call.get(), &arrays);
-  kr_enqueue(&arrays.requests[0]);  // refusals arrive through done, like any other outcome
-  return std::make_unique<Handle>(std::move(call), std::move(arrays));
+  auto handle = std::make_unique<Handle>(std::move(call), std::move(arrays));
+  kr_enqueue(handle->request());  // refusals arrive through done, like any other outcome
+  return handle;
 }
 
 // The requests of a run() call on `arrays` (named by `names`), ready to run.
@@ -344,7 +355,15 @@ class Batch {
   // fastest way to wait); with a group name, the allreduces form one group
   // (kr_enqueue_and_drive). Raises the first request's error, if any.
   void Execute() {
+    // Under the GIL: another thread may not run or read this batch meanwhile.
+    if (busy_) throw std::runtime_error("keras-ring: this prepared run is already running");
+    busy_ = true;
+    struct Idle {
+      bool* busy;
+      ~Idle() { *busy = false; }
+    } idle{&busy_};
     call_->Reset();
+    ran_ = true;
     {
       py::gil_scoped_release release;
       // Refusals arrive through done, like any other outcome.
@@ -360,6 +379,10 @@ class Batch {
 
   // The results of the last Execute(), in order.
   py::list Results() const {
+    if (busy_ || !ran_) {
+      throw std::runtime_error("keras-ring: the results of a prepared run are there once its "
+                               "run() has returned");
+    }
     py::list results(arrays_.requests.size());
     for (size_t i = 0; i < arrays_.requests.size(); ++i) results[i] = Result(*call_, arrays_, i);
     return results;
@@ -371,6 +394,7 @@ class Batch {
   std::vector<py::object> names_;
   Arrays arrays_;
   std::shared_ptr<Call> call_;
+  bool busy_ = false, ran_ = false;
 };
 
 // Runs a collective on each array (named by `names`) and returns their results in order.
@@ -563,8 +587,12 @@ PYBIND11_MODULE(_engine, m) {
         "Runs a collective on each array (named by `names`) and returns the results in "
         "order; the calling thread runs the engine meanwhile (the fastest way to wait). "
         "With a `group` name, allreduces are agreed as one group: every rank must pass the "
-        "same group and names.");
-  py::class_<Batch>(m, "_PreparedRun")
+        "same group and names. The outputs of one call are views into one allocation, "
+        "which lives as long as any of them.");
+  py::class_<Batch>(m, "_PreparedRun",
+                    "For benchmarks: collectives prepared once, as run() would, to be run "
+                    "again and again without run()'s work per array. C-contiguous NumPy inputs "
+                    "are read where they lie at every run; other inputs were copied once.")
       .def(py::init([](int collective, const py::sequence& arrays, const py::sequence& names,
                        int op, const std::string& group) {
              return std::make_unique<Batch>(Args{collective, op}, arrays, names, group);

@@ -511,11 +511,20 @@ def test_prepared_run(rank, size):
     xs = [np.full(n, rank + 1, dtype) for n, dtype in ((5, np.float32), (0, np.float32),
                                                         (1001, np.float64), (7, np.int32))]
     names = [f"prep.{i}" for i in range(len(xs))]
+    gather = _engine._PreparedRun(_engine.ALLGATHER, [np.ones((1, 2), np.float32)], ["prep.ag"])
+    try:
+        gather.results()
+        fail("results() of a prepared run that never ran did not raise")
+    except RuntimeError as e:
+        if "run()" not in str(e):
+            fail(f"results() before run(): unexpected error {e}")
+    gather.run()
+    check("prep.ag", gather.results()[0], np.ones((size, 2)), exact=True)
     for group in ("", "prep"):
         prepared = _engine._PreparedRun(_engine.ALLREDUCE, xs, names, op=OPS["Sum"], group=group)
         for step in range(3):
             for x in xs:
-                x[:] = rank + step  # the prepared requests read the arrays as they are now
+                x[:] = rank + step  # C-contiguous inputs are read as they are at each run
             prepared.run()
             for name, x, out in zip(names, xs, prepared.results()):
                 check(f"{name} step {step}", out, np.full(x.shape, sum(r + step for r in
