@@ -765,7 +765,7 @@ void Engine::Drive(int (*finished)(void* ctx), void* ctx) {
     if (--drivers_ == 0 && !loop_over_ &&
         (pace_.in_flight || !queue_.empty() || shutdown_requested_)) {
       resume_ = wake = true;
-      // The background thread starts its poll backoff afresh (10 us, then
+      // The background thread starts its poll backoff afresh (20 us, then
       // doubling) rather than at the full sleep that the caller's idle spin
       // has earned: a peer that is just late is then heard within tens of
       // microseconds, not a millisecond later (measured in model.fit at 2
