@@ -179,10 +179,10 @@ KR_API void kr_drive(int (*finished)(void* ctx), void* ctx);
  * With a group name (not NULL or empty) and n > 1, the requests are one
  * group (a grouped op): allreduces of one process set, of any dtypes and
  * ops, that every rank submits in one call under the same group name, with
- * the same names (unique within the group) in the same order. The ranks agree on the group as one
- * unit (one name to negotiate and cache instead of n, which is most of the
- * engine's cost per small tensor) and it runs as few fused allreduces as the
- * fusion threshold allows. If the ranks' groups differ, every member fails
+ * the same names (unique within the group) in the same order. The ranks
+ * agree on the group as one unit (one name to negotiate and cache instead of
+ * n, which is most of the engine's cost per small tensor) and it runs as few
+ * fused allreduces as the fusion threshold allows. If the ranks' groups differ, every member fails
  * on every rank with an error naming the first tensor that differs. Other
  * collectives in a group are refused (each request's done says why). */
 KR_API kr_status kr_enqueue_and_drive(const kr_request* requests, int n, const char* group,

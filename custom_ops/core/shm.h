@@ -7,9 +7,9 @@
 // slot (all but its own block, when no conversion or prescale is needed),
 // then each rank reduces its own block straight from every peer's slot
 // (and from its input), then each rank copies the finished blocks out of
-// their owners' slots. Where MPI's point-to-point path copies a message twice (into and
-// out of its own shared buffers) before reducing it, here a peer's data is
-// read once, where it lies. The two slots alternate between rounds, so a
+// their owners' slots. Where MPI's point-to-point path copies a message twice
+// (into and out of its own shared buffers) before reducing it, here a peer's
+// data is read once, where it lies. The two slots alternate between rounds, so a
 // rank may fill round k+1 while its peers still read round k.
 //
 // Segments are unlinked from /dev/shm as soon as every rank has mapped

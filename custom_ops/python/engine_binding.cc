@@ -159,7 +159,7 @@ struct Args {
 // the requests that point into them (and into the call's Args).
 struct Arrays {
   std::vector<py::array> inputs;
-  std::vector<py::object> outputs;  // None where the engine allocates the output
+  std::vector<py::array> outputs;  // empty where the engine allocates the outputs
   std::vector<kr_request> requests;
 };
 
@@ -245,14 +245,11 @@ void PrepareAll(const Args& a, std::vector<py::array> inputs, const std::vector<
                 Call* call, Arrays* arrays) {
   arrays->inputs = std::move(inputs);
   const size_t n = arrays->inputs.size();
-  std::vector<py::array> outputs;
-  if (WritesOutput(a.collective)) outputs = OutputsLike(arrays->inputs);
+  if (WritesOutput(a.collective)) arrays->outputs = OutputsLike(arrays->inputs);
   arrays->requests.reserve(n);
-  arrays->outputs.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    void* output = outputs.empty() ? nullptr : outputs[i].mutable_data();
+    void* output = arrays->outputs.empty() ? nullptr : arrays->outputs[i].mutable_data();
     arrays->requests.push_back(Prepare(a, arrays->inputs[i], output, names[i], &call->outcome(i)));
-    arrays->outputs.push_back(outputs.empty() ? py::object(py::none()) : std::move(outputs[i]));
   }
 }
 
@@ -260,7 +257,7 @@ void PrepareAll(const Args& a, std::vector<py::array> inputs, const std::vector<
 py::object Result(const Call& call, const Arrays& arrays, size_t i) {
   const Outcome& o = call.outcome(i);
   if (o.status != KR_OK) RaiseFor(o.status, o.message);
-  if (!arrays.outputs[i].is_none()) return arrays.outputs[i];
+  if (!arrays.outputs.empty()) return arrays.outputs[i];
   py::array out(arrays.inputs[i].dtype(), o.gathered_shape);
   std::memcpy(out.mutable_data(), o.gathered.data(), out.nbytes());
   return std::move(out);
