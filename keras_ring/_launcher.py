@@ -23,13 +23,17 @@ import dataclasses
 import json
 import os
 import re
+import selectors
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
+
+from keras_ring import _rank_output
 
 USAGE_ERROR = 2
 REBUILD_HINT = (
@@ -80,6 +84,13 @@ _SIGNALS_BY_DESCRIPTION = {
 # peer had created it (shm_open with O_EXCL decides who initialises it): MPI_Init
 # then fails on the dead job's queues ("Invalid GenQ flag", "Message truncated").
 _FORKER_SEGMENT_FORMATS = ("/dev/shm/mpich_shm_{:x}_0", "/dev/shm/mpich_vci_{:x}_0")
+# Under the forker each rank starts through this script, which hands it our output.
+_RANK_OUTPUT_SCRIPT = Path(_rank_output.__file__)
+# --prefix-output under the forker: an unfinished line is written after this much quiet,
+# or once it is this long; pipes a rank's child keeps open are read this long after the job.
+_PARTIAL_LINE_SECONDS = 0.1
+_MAX_PARTIAL_LINE = 65536
+_DRAIN_SECONDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,10 +438,9 @@ def launcher_command(launcher, options, env):
                     argv += ["-x", name]
         return argv + options.command
     if local and launcher.forker:
-        argv = [launcher.forker, "-n", np]
-        if options.prefix_output:
-            argv.append("-l")
-        return argv + options.command
+        # Each rank's output bypasses the forker (see _rank_output.py); run_job prefixes it.
+        shim = [sys.executable, "-I", "-S", str(_RANK_OUTPUT_SCRIPT)]
+        return [launcher.forker, "-n", np, *shim, *options.command]
     argv = [launcher.path]
     if options.hostfile is not None:
         argv += ["-f", options.hostfile]
@@ -468,15 +478,20 @@ def launcher_env(launcher, options, environ):
     return env
 
 
-def run_job(argv, env, forker=False):
+def run_job(argv, env, forker=False, prefix_output=False, np=1):
     """Runs the launcher until the job ends, passing on SIGINT, SIGTERM and SIGHUP.
 
     Args:
         argv: The launcher command line.
         env: The environment of the job.
-        forker: Whether the launcher is MPICH's forker, whose stderr is
-            relayed to find ranks killed by a signal, and whose MPICH
-            segments are removed before the job starts and after it ends.
+        forker: Whether the launcher is MPICH's forker. Its stderr is then
+            relayed to find ranks killed by a signal; its MPICH segments are
+            removed before the job starts and after it ends; and the ranks'
+            output reaches this process's stdout and stderr without passing
+            through the forker (`argv` starts them through `_rank_output.py`).
+        prefix_output: Under the forker: whether each line a rank writes is
+            prefixed with `[rank] `.
+        np: Under the forker with `prefix_output`: the number of ranks.
 
     Returns:
         The job's exit code: the launcher's, or 128 + N when the launcher,
@@ -485,9 +500,18 @@ def run_job(argv, env, forker=False):
     # The forker's segment names follow from its pid: clear a dead job's
     # leftovers under them in the child, before any rank can exist.
     clear_names = (lambda: remove_forker_segments(os.getpid())) if forker else None
-    with subprocess.Popen(
-        argv, env=env, stderr=subprocess.PIPE if forker else None, preexec_fn=clear_names
-    ) as child:
+    outputs = _RankOutputs(np if prefix_output else 0) if forker else None
+    if outputs:
+        env = {**env, _rank_output.VARIABLE: outputs.variable}
+    try:
+        child = subprocess.Popen(
+            argv, env=env, stderr=subprocess.PIPE if forker else None,
+            preexec_fn=clear_names, pass_fds=outputs.handed_down if outputs else (),
+        )
+    finally:
+        if outputs:
+            outputs.close_handed_down()
+    with child:
 
         def forward(signum, frame):
             # Ctrl-C reaches the whole foreground process group, the launcher too; a
@@ -499,7 +523,7 @@ def run_job(argv, env, forker=False):
         try:
             rank_signal = None
             if forker:
-                rank_signal = _relay_forker_stderr(child.stderr)
+                rank_signal = _relay_forker_output(child.stderr, outputs)
                 # Removed before the forker is reaped, while no other process can
                 # take its pid: what a killed rank left, never another job's.
                 os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
@@ -518,6 +542,156 @@ def run_job(argv, env, forker=False):
     if returncode == 0 and rank_signal is not None:
         return 128 + rank_signal
     return returncode
+
+
+class _RankOutputs:
+    """The file descriptors a forker job's ranks write their stdout and stderr to.
+
+    Without prefixes every rank gets copies of this process's own stdout and
+    stderr; with them, each rank gets two pipes of its own, whose lines
+    `_relay_forker_output` copies with the rank's prefix.
+    """
+
+    def __init__(self, prefixed_ranks):
+        self.streams = []
+        if prefixed_ranks:
+            self.handed_down = []
+            for rank in range(prefixed_ranks):
+                for dest in (sys.stdout, sys.stderr):
+                    read_end, write_end = os.pipe()
+                    self.handed_down.append(write_end)
+                    self.streams.append(_PrefixedStream(read_end, rank, dest))
+        else:
+            self.handed_down = [os.dup(sys.stdout.fileno()), os.dup(sys.stderr.fileno())]
+        pairs = zip(self.handed_down[::2], self.handed_down[1::2])
+        self.variable = " ".join(f"{out},{err}" for out, err in pairs)
+
+    def close_handed_down(self):
+        """Closes this process's copies of the ranks' ends, so that a rank's pipe ends with it."""
+        for fd in self.handed_down:
+            os.close(fd)
+
+
+class _PrefixedStream:
+    """One rank's stdout or stderr pipe, copied to ours with `[rank] ` before each line.
+
+    A carriage return starts a line too, so that a progress bar redrawn in
+    place (Keras's) keeps its prefix. Whole lines are written as they come, so
+    that ranks' lines do not mix; the unfinished end of a line waits until more
+    comes, the pipe is quiet (`flush`), or it grows past `_MAX_PARTIAL_LINE`.
+    """
+
+    _LINE_ENDS = re.compile(rb"(?<=\n)|(?<=\r)(?!\n)")
+
+    def __init__(self, fd, rank, dest):
+        self.fd = fd
+        self.dest = dest.buffer
+        self.prefix = f"[{rank}] ".encode()
+        self.partial = b""  # read but not yet written
+        self.line_start = True  # whether the next byte written starts a line
+
+    def feed(self, chunk):
+        """Writes the whole lines of what was read; returns False if our reader has gone."""
+        data = self.partial + chunk
+        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        if len(data) - end > _MAX_PARTIAL_LINE:
+            end = len(data)
+        self.partial = data[end:]
+        return self._write(data[:end])
+
+    def flush(self):
+        """Writes what is left of an unfinished line; returns False if our reader has gone."""
+        data, self.partial = self.partial, b""
+        return self._write(data)
+
+    def _write(self, data):
+        if not data:
+            return True
+        text = []
+        for piece in self._LINE_ENDS.split(data):
+            if piece:
+                text += [self.prefix, piece] if self.line_start else [piece]
+                self.line_start = piece.endswith((b"\n", b"\r"))
+        try:
+            self.dest.write(b"".join(text))
+            self.dest.flush()
+        except BrokenPipeError:
+            return False
+        return True
+
+
+def _relay_forker_output(forker_stderr, outputs):
+    """Copies the forker's stderr to ours, and each prefixed rank's output to ours.
+
+    Returns once the forker has exited and every rank's pipe has ended, or
+    `_DRAIN_SECONDS` after the forker's exit if a pipe stays open (kept by a
+    rank's own child process).
+
+    Returns:
+        (rank, signal) for the rank whose death by a signal ended the job
+        (not one the forker stopped afterwards), or None.
+    """
+    rank_signal = None
+    forker_partial = b""
+    selector = selectors.DefaultSelector()
+    selector.register(forker_stderr.fileno(), selectors.EVENT_READ, None)
+    for stream in outputs.streams:
+        selector.register(stream.fd, selectors.EVENT_READ, stream)
+
+    def end(stream):
+        # Our reader gone (`keras-ring-run ... | head`): the rank's next write fails,
+        # as it would have written to the closed pipe itself.
+        selector.unregister(stream.fd)
+        os.close(stream.fd)
+
+    forker_exited = None
+    while selector.get_map():
+        if forker_exited is not None and time.monotonic() - forker_exited > _DRAIN_SECONDS:
+            break
+        events = selector.select(timeout=_PARTIAL_LINE_SECONDS)
+        if not events:
+            for key in list(selector.get_map().values()):
+                if key.data is not None and not key.data.flush():
+                    end(key.data)
+            continue
+        for key, _ in events:
+            chunk = os.read(key.fd, 65536)
+            stream = key.data
+            if stream is None:  # the forker's own messages
+                if not chunk:
+                    selector.unregister(key.fd)
+                    forker_exited = time.monotonic()
+                    continue
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.buffer.flush()
+                *lines, forker_partial = (forker_partial + chunk).split(b"\n")
+                forker_partial = forker_partial[-4096:]
+                for line in lines:
+                    rank_signal = _rank_signal(line, rank_signal)
+            elif not chunk:
+                stream.flush()
+                end(stream)
+            elif not stream.feed(chunk):
+                end(stream)
+    for key in list(selector.get_map().values()):
+        if key.data is not None:
+            key.data.flush()
+            end(key.data)
+    selector.close()
+    return rank_signal
+
+
+def _rank_signal(line, rank_signal):
+    """The (rank, signal) that ended the job, after one line of the forker's stderr."""
+    match = _FORKER_SIGNALED.search(line)
+    if not match:
+        return rank_signal
+    # The forker describes signals with strsignal(), as Python does; a
+    # description we do not know still has to fail the job.
+    signum = _SIGNALS_BY_DESCRIPTION.get(match[2].strip(), signal.SIGKILL)
+    if rank_signal is None or rank_signal[1] == _FORKER_CLEANUP_SIGNAL:
+        return (int(match[1]), signum)
+    return rank_signal
 
 
 def forker_segment_paths(pid):
@@ -565,32 +739,6 @@ def _in_terminal_foreground():
         return False
 
 
-def _relay_forker_stderr(stream):
-    """Copies the forker's stderr to ours.
-
-    Returns:
-        (rank, signal) for the rank whose death by a signal ended the job
-        (not one the forker stopped afterwards), or None.
-    """
-    rank_signal = None
-    partial_line = b""
-    while chunk := os.read(stream.fileno(), 65536):
-        sys.stderr.buffer.write(chunk)
-        sys.stderr.buffer.flush()
-        *lines, partial_line = (partial_line + chunk).split(b"\n")
-        partial_line = partial_line[-4096:]
-        for line in lines:
-            match = _FORKER_SIGNALED.search(line)
-            if not match:
-                continue
-            # The forker describes signals with strsignal(), as Python does; a
-            # description we do not know still has to fail the job.
-            signum = _SIGNALS_BY_DESCRIPTION.get(match[2].strip(), signal.SIGKILL)
-            if rank_signal is None or rank_signal[1] == _FORKER_CLEANUP_SIGNAL:
-                rank_signal = (int(match[1]), signum)
-    return rank_signal
-
-
 def main(argv=None):
     """Runs `keras-ring-run`.
 
@@ -620,4 +768,5 @@ def main(argv=None):
             f"{name}={value}" for name, value in env.items() if os.environ.get(name) != value
         ]
         print(f"keras-ring-run: {shlex.join(changed + argv)}", file=sys.stderr, flush=True)
-    return run_job(argv, env, forker=argv[0] == launcher.forker)
+    return run_job(argv, env, forker=argv[0] == launcher.forker,
+                   prefix_output=options.prefix_output, np=options.np)

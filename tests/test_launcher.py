@@ -1,5 +1,6 @@
 """keras-ring-run (keras_ring/_launcher.py) and the launcher checks in keras_ring/_mpi_env.py."""
 
+import io
 import json
 import os
 import re
@@ -138,15 +139,13 @@ def test_command_may_follow_a_double_dash():
 
 
 def test_one_host_mpich_job_runs_under_the_forker():
-    assert _launcher.launcher_command(MPICH_WITH_FORKER, options("-np", "2"), {}) == [
-        "/mpi/bin/mpiexec.gforker",
-        "-n",
-        "2",
-        *COMMAND,
-    ]
-    assert _launcher.launcher_command(
-        MPICH_WITH_FORKER, options("-np", "2", "--prefix-output"), {}
-    ) == ["/mpi/bin/mpiexec.gforker", "-n", "2", "-l", *COMMAND]
+    # Each rank starts through _rank_output.py, which hands it our output; the
+    # prefixes are ours too (the forker's -l would copy the output itself).
+    shim = [sys.executable, "-I", "-S", str(_launcher._RANK_OUTPUT_SCRIPT)]
+    for argv in (["-np", "2"], ["-np", "2", "--prefix-output"]):
+        assert _launcher.launcher_command(MPICH_WITH_FORKER, options(*argv), {}) == [
+            "/mpi/bin/mpiexec.gforker", "-n", "2", *shim, *COMMAND,
+        ]
 
 
 def test_one_host_hydra_job_stays_on_loopback():
@@ -161,6 +160,36 @@ def test_one_host_hydra_job_stays_on_loopback():
         "2",
         *COMMAND,
     ]
+
+
+class _Destination:
+    def __init__(self):
+        self.buffer = io.BytesIO()
+
+
+def test_prefixed_rank_output_keeps_lines_whole_and_prefixes_redrawn_lines():
+    dest = _Destination()
+    stream = _launcher._PrefixedStream(-1, 3, dest)
+    assert stream.feed(b"a\nb")  # "b" waits for the rest of its line
+    assert dest.buffer.getvalue() == b"[3] a\n"
+    stream.feed(b"c\r\n")  # one line ending, not a redraw
+    stream.feed(b"\r1/2 \xe2\x94")  # a redraw, cut inside a UTF-8 character
+    stream.feed(b"\x81\r2/2 \xe2\x94\x81\n")
+    stream.feed(b"prompt: ")
+    stream.flush()  # the pipe went quiet: the unfinished line is written
+    stream.feed(b"yes\n")
+    assert dest.buffer.getvalue().decode() == (
+        "[3] a\n[3] bc\r\n[3] \r[3] 1/2 ━\r[3] 2/2 ━\n[3] prompt: yes\n"
+    )
+
+
+def test_prefixed_rank_output_tells_when_its_reader_has_gone():
+    class Closed:
+        class buffer:  # noqa: N801 -- stands for sys.stdout.buffer
+            def write(data):
+                raise BrokenPipeError
+
+    assert not _launcher._PrefixedStream(-1, 0, Closed).feed(b"line\n")
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", socket.gethostname()])
