@@ -91,6 +91,9 @@ class _Distribution:
         self.accumulator = accumulator
         # The variables the optimizer was built with, for `apply(grads)`.
         self.variables = None
+        # Functions to call once, eagerly, when the optimizer and the variables
+        # it was built with are ready (see `_call_after_build`).
+        self.after_build = []
 
 
 class _DistributedOptimizerMixin:
@@ -99,8 +102,32 @@ class _DistributedOptimizerMixin:
     def build(self, variables):
         super().build(variables)
         self._keras_ring.variables = list(variables)
+        self._call_after_build()
+
+    def _call_after_build(self):
+        """Runs the `after_build` calls, eagerly, once the variables hold their values.
+
+        Keras builds the optimizer of a model built lazily while `tf.function`
+        traces the first train step, after the forward pass has made the
+        model's variables. Those, and the optimizer's own, hold their initial
+        values only once TF has run their initializers, after that trace; TF
+        then traces the step again and runs it. So the calls run in the second
+        trace's `apply`: after the variables have their values and before the
+        step computes anything.
+        """
+        state = self._keras_ring
+        if not state.after_build or not self.built:
+            return
+        with tf.init_scope():
+            ready = state.variables + list(self.variables)
+            if not all(bool(v.value.is_initialized()) for v in ready):
+                return
+            calls, state.after_build = state.after_build, []
+            for call in calls:
+                call()
 
     def apply(self, grads, trainable_variables=None):
+        self._call_after_build()
         state = self._keras_ring
         grads = list(grads)
         if trainable_variables is not None:
@@ -150,6 +177,22 @@ def _distributed_class(base):
             "__class__": property(lambda self: base),
         },
     )
+
+
+def is_distributed(optimizer):
+    """Whether `optimizer` reduces its gradients across ranks (made by `DistributedOptimizer`)."""
+    return isinstance(optimizer, _DistributedOptimizerMixin)
+
+
+def call_after_build(optimizer, fn):
+    """Has a distributed optimizer call `fn()` eagerly once it is built, before it applies anything.
+
+    Nothing happens if `optimizer` is not distributed or is built already.
+    In a traced train step `fn` runs while TF traces the step, which every
+    rank does at the same point.
+    """
+    if is_distributed(optimizer) and not optimizer.built:
+        optimizer._keras_ring.after_build.append(fn)
 
 
 def _check_optimizer(optimizer):

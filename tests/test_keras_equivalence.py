@@ -11,7 +11,7 @@ WORKER = pathlib.Path(__file__).parent / "workers" / "keras_equivalence_worker.p
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("suite", ["core", "options"])
+@pytest.mark.parametrize("suite", ["core", "options", "lazy"])
 @pytest.mark.parametrize("np", [2, 3])
 def test_keras_equivalence(run_ranks, np, suite):
     run_ranks(np, WORKER, suite, timeout=300)

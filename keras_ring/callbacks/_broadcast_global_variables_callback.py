@@ -10,15 +10,24 @@ from keras_ring.callbacks._validation import check_integer
 class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
     """Copies the model's and the optimizer's state from `root_rank` to every rank.
 
-    At the start of training (`on_train_begin`, before the first step), every
-    rank builds its optimizer if Keras has not built it yet (Keras builds it
-    lazily, in the first traced step, so its slots would otherwise not exist
-    yet), and then receives the root's model weights (trainable and not, such
-    as batch-normalisation statistics) and optimizer variables (iteration
-    count, learning rate, slots). So the first update starts from one state on
-    every rank, whether the model was initialised at random or restored from
-    a checkpoint on the root only. Horovod broadcasts after the first batch
-    instead, so its first step runs from each rank's own initial weights.
+    Every rank receives the root's model weights (trainable and not, such as
+    batch-normalisation statistics) and optimizer variables (iteration count,
+    learning rate, slots) before the first step computes anything, so the
+    first update starts from one state on every rank, whether the model was
+    initialised at random or restored from a checkpoint on the root only:
+
+    - A model that is built (it has an `Input`, or it was called or built
+      before `fit`) is broadcast at the start of training (`on_train_begin`),
+      after its optimizer has been built if Keras had not built it yet.
+    - A model built lazily (`keras.Sequential` without `keras.Input`, a
+      subclassed model never called) gets its variables only in the first
+      train step, while Keras traces it. A `DistributedOptimizer` then
+      broadcasts them as Keras builds it, in that trace, after the forward
+      pass has made the model's variables and before the step runs, so even
+      the first step's gradients are computed from the root's weights.
+    - A lazily built model whose optimizer is not distributed is broadcast at
+      the end of the first step, as Horovod does for every model: each rank's
+      first step ran from its own initial weights.
 
     Random-number states (the seeds of `Dropout` and similar layers) are not
     broadcast: each rank keeps its own randomness.
@@ -57,16 +66,45 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
         check_integer("root_rank", root_rank, 0)
         self.root_rank = int(root_rank)
         self.device = device
+        self._fit = None
+        self._pending = False  # a lazily built model not yet broadcast in this `fit`
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         # A model whose own dtype policy is mixed_float16 gets its loss scale
         # wrapped around ours by compile(): refuse it here rather than hang.
         _optimizer.check_loss_scale_outside(self.model.optimizer)
+        self._fit = self.params  # one dict per `fit`: a call left from an earlier one is stale
+        self._pending = False
         if _basics.size() == 1:
             return
+        if self.model.built:
+            self._broadcast(_sync.TRAIN_BEGIN)
+            return
+        self._pending = True
+        fit = self._fit
+
+        def in_first_step():
+            if self._pending and self._fit is fit:
+                self._pending = False
+                self._broadcast(_sync.BATCH_BEGIN)
+
+        _optimizer.call_after_build(self.model.optimizer, in_first_step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if self._pending:  # the optimizer is not distributed: Horovod's order
+            self._pending = False
+            self._broadcast(_sync.BATCH_END)
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)
+        self._fit = None
+        self._pending = False
+
+    def _broadcast(self, point):
         variables = self._variables()
-        self._check_same_variables(variables)
+        self._check_same_variables(point, variables)
         with tf.device(self.device):
             _ops.broadcast_variables(variables, self.root_rank)
 
@@ -76,11 +114,11 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
             optimizer.build(self.model.trainable_weights)
         return list(self.model.weights) + list(optimizer.variables)
 
-    def _check_same_variables(self, variables):
+    def _check_same_variables(self, point, variables):
         """Raises on every rank unless all ranks have variables of the same shapes and dtypes."""
         shapes = [f"{tuple(v.shape)} {v.dtype}" for v in variables]
         low, high = self.step_guard.exchange(
-            _sync.TRAIN_BEGIN, _sync.VARIABLES, (len(variables), _sync.digest("\n".join(shapes)))
+            point, _sync.VARIABLES, (len(variables), _sync.digest("\n".join(shapes)))
         )
         if (low == high).all():
             return

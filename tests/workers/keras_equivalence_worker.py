@@ -16,6 +16,9 @@ Suites:
     options: backward_passes_per_step, compression, op=Sum,
         gradient_predivide_factor, groups, and mixed_float16 with one rank's
         gradients non-finite for a step.
+    lazy: models built lazily (a Sequential without an Input, a subclassed
+        model), initialised differently on each rank, with
+        BroadcastGlobalVariablesCallback.
 
 Wrong values are collected and reported at the end (exit 1); an unexpected
 exception exits at once, and the launcher then stops the other ranks.
@@ -63,9 +66,29 @@ RANK = SIZE = None
 failures = []
 
 
-def build_model(kind):
-    """The same initial weights on every rank and in every run."""
-    keras.utils.set_random_seed(SEED)
+class TwoDense(keras.Model):
+    """A subclassed model: its variables exist only once it is called."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def build_model(kind, seed=SEED):
+    """The same initial weights on every rank and in every run, for the same seed.
+
+    Kinds "lazy" (a Sequential without an Input) and "subclassed" compute as
+    "dense" but are built lazily, in the first train step.
+    """
+    keras.utils.set_random_seed(seed)
+    if kind == "lazy":
+        return keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+    if kind == "subclassed":
+        return TwoDense()
     if kind == "dense":
         return keras.Sequential(
             [
@@ -90,7 +113,7 @@ def global_data(kind, passes=1):
     """The data of the whole job: STEPS * passes global batches of SIZE * BATCH rows."""
     rows = STEPS * passes * SIZE * BATCH
     rng = np.random.default_rng(SEED)
-    if kind == "dense":
+    if kind != "embedding":
         x = rng.normal(size=(rows, 6)).astype("float32")
         y = rng.normal(size=(rows, 2)).astype("float32")
     else:
@@ -138,13 +161,14 @@ def reference_dense_gradients(kind, optimizer, passes=1):
     return model
 
 
-def distributed_fit(kind, optimizer, passes=1, data=None, **options):
+def distributed_fit(kind, optimizer, passes=1, data=None, seed=SEED, callbacks=(), **options):
     """`model.fit` on this rank's rows with a DistributedOptimizer, at batch BATCH."""
-    model = build_model(kind)
+    model = build_model(kind, seed)
     optimizer = kr.DistributedOptimizer(optimizer, backward_passes_per_step=passes, **options)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     x, y = global_data(kind, passes) if data is None else data
-    model.fit(rank_rows(x), rank_rows(y), batch_size=BATCH, shuffle=False, verbose=0)
+    model.fit(rank_rows(x), rank_rows(y), batch_size=BATCH, shuffle=False, verbose=0,
+              callbacks=list(callbacks))
     return model
 
 
@@ -289,7 +313,22 @@ def check_mixed_precision(what, make):
     check_same_on_all_ranks(what, model)
 
 
-SUITES = {"core": check_core, "options": check_options}
+def check_lazy():
+    """Models built in the first train step, initialised differently on each rank.
+
+    BroadcastGlobalVariablesCallback must give every rank rank 0's initial
+    weights before the first step computes anything: then the job trains as
+    one rank would from rank 0's weights.
+    """
+    for kind in ("lazy", "subclassed"):
+        for name, make in (("SGD", sgd), ("Adam", adam)):
+            model = distributed_fit(kind, make(), seed=SEED + RANK,
+                                    callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)])
+            check_weights(f"{kind} {name} fit", model, reference_fit(kind, make()))
+            check_same_on_all_ranks(f"{kind} {name} fit", model)
+
+
+SUITES = {"core": check_core, "options": check_options, "lazy": check_lazy}
 
 
 def main():
