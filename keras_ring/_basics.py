@@ -17,10 +17,22 @@ _topology = None
 
 
 def _engine():
-    """Returns the engine binding, explaining a missing MPI library."""
+    """Returns the engine binding, explaining a missing MPI library or an unbuilt source tree."""
     try:
         return importlib.import_module("keras_ring._engine")
     except ImportError as e:
+        package = os.path.dirname(__file__)
+        if e.name == "keras_ring._engine" and not os.path.exists(
+            os.path.join(package, "_build_info.json")
+        ):
+            # `python -c` in the clone's root imports the clone, not the installed copy.
+            raise ImportError(
+                f"keras-ring: keras_ring was imported from its source tree ({package}), not "
+                "from the installed keras-ring; the source tree has no compiled engine "
+                "(keras_ring._engine). Python puts the working directory (or the script's) "
+                "first on sys.path: run Python from another directory, after installing "
+                "keras-ring if it is not installed yet (`pip install .` in this tree)."
+            ) from None
         if "libmpi" not in str(e):
             raise
         raise RuntimeError(

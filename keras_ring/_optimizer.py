@@ -373,7 +373,10 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     Args:
         filepath: Path of the `.keras` file.
         custom_optimizers: Optimizer classes the model may use that Keras
-            cannot find by itself (unregistered subclasses).
+            cannot find by itself. Each is offered under its class name and
+            under its registered name (`package>Name`, for a class registered
+            with `keras.saving.register_keras_serializable`), the name Keras
+            saved it under.
         custom_objects: Other custom objects, as for
             `keras.models.load_model`.
         compression: The compression of the distributed optimizer.
@@ -395,7 +398,11 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     ```
     """
     check_no_strategy("load_model")
-    objects = {cls.__name__: cls for cls in custom_optimizers or ()}
+    # Keras saves a registered class under its registered name, `package>Name`.
+    objects = {}
+    for cls in custom_optimizers or ():
+        objects[cls.__name__] = cls
+        objects[keras.saving.get_registered_name(cls)] = cls
     objects.update(custom_objects or {})
     model = keras.models.load_model(filepath, custom_objects=objects)
     optimizer = model.optimizer

@@ -1,6 +1,7 @@
 """Single-process behaviour of init, shutdown and the topology queries."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -102,3 +103,20 @@ def test_engine_refuses_requests_before_init():
     )
     assert result.returncode != 0
     assert "not initialised" in result.stderr
+
+
+def test_importing_the_source_tree_says_so():
+    # `python -c` in the clone's root imports the unbuilt keras_ring there.
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if (root / "keras_ring" / "_build_info.json").exists():
+        pytest.skip(f"{root} holds a built keras_ring")
+    result = subprocess.run(
+        [sys.executable, "-c", "import keras_ring as kr; kr.init()"],
+        capture_output=True, text=True, timeout=120, cwd=root,
+    )
+    assert result.returncode != 0
+    assert "ImportError: keras-ring: keras_ring was imported from its source tree" in (
+        result.stderr
+    ), result.stderr
+    assert "run Python from another directory" in result.stderr
+    assert "`pip install .`" in result.stderr

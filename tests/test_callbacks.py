@@ -248,7 +248,11 @@ def test_learning_rate_callbacks_refuse_a_schedule_optimizer(callback):
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
     with pytest.raises(ValueError, match="LearningRateWarmupSchedule") as error:
         fit_recording(linear_model(keras.optimizers.SGD(schedule)), [callback()], epochs=1)
-    assert "Received: optimizer.learning_rate=" in str(error.value)
+    # The schedule the user passed, not its current value (a tensor).
+    assert str(error.value).endswith(f"Received: optimizer.learning_rate={schedule!r}")
+    with pytest.raises(ValueError, match="ExponentialDecay object"):
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(schedule))
+        fit_recording(linear_model(optimizer), [callback()], epochs=1)
 
 
 def test_warmup_needs_steps_per_epoch_for_data_of_unknown_length():
@@ -356,6 +360,13 @@ def test_nothing_is_written_on_other_ranks(tmp_path, monkeypatch):
     assert all(type(c) is keras.callbacks.Callback for c in wrapped)
     fit_with([*wrapped, best])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_rank_zero_only_tensorboard_writes_event_files(tmp_path, monkeypatch):
+    # TensorBoard needs the tensorboard package, which TF 2.21 no longer pulls in.
+    set_rank(monkeypatch, 0)
+    fit_with([kr.callbacks.rank_zero_only(keras.callbacks.TensorBoard(log_dir=str(tmp_path)))])
+    assert list(tmp_path.glob("train/events.out.tfevents.*"))
 
 
 def test_best_model_checkpoint_saves_only_improvements(tmp_path, monkeypatch):

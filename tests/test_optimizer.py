@@ -231,6 +231,19 @@ def test_load_model_distributes_and_keeps_the_state(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)  # fp16 on the wire
 
 
+def test_load_model_finds_custom_optimizers_under_their_registered_name(tmp_path, monkeypatch):
+    model = train(kr.DistributedOptimizer(RegisteredSGD(learning_rate=0.1, scale=0.25)))
+    model.save(tmp_path / "model.keras")
+    # As where Keras has no registration to go by: it looks for "keras_ring_tests>RegisteredSGD".
+    name = keras.saving.get_registered_name(RegisteredSGD)
+    assert name == "keras_ring_tests>RegisteredSGD"
+    monkeypatch.delitem(keras.saving.get_custom_objects(), name)
+    restored = kr.load_model(tmp_path / "model.keras", custom_optimizers=[RegisteredSGD])
+    assert type(restored.optimizer).__name__ == "DistributedRegisteredSGD"
+    assert restored.optimizer.scale == 0.25
+    assert_same_state(restored, model)
+
+
 def test_load_model_keeps_the_loss_scale_inside(tmp_path, mixed_float16):
     train(kr.DistributedOptimizer(keras.optimizers.Adam())).save(tmp_path / "model.keras")
     optimizer = kr.load_model(tmp_path / "model.keras").optimizer

@@ -141,6 +141,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def _learning_rate_variable(self):
         learning_rate = self.model.optimizer.learning_rate
         if not isinstance(learning_rate, keras.Variable):
+            # `optimizer.learning_rate` is the schedule's current value: name the schedule.
+            schedule = self._inner_optimizer()._learning_rate
             raise ValueError(
                 f"{type(self).__name__} assigns the optimizer's learning rate, but this "
                 "optimizer computes it from a LearningRateSchedule (or a function), which cannot "
@@ -148,7 +150,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                 "schedule in the optimizer (for warmup: "
                 "keras_ring.callbacks.LearningRateWarmupSchedule(initial_lr, warmup_steps, "
                 "after=your_schedule)). "
-                f"Received: optimizer.learning_rate={learning_rate!r}"
+                f"Received: optimizer.learning_rate={schedule!r}"
             )
         return learning_rate
 
@@ -161,10 +163,15 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             for velocity in self._sgd_velocities():
                 velocity.assign(velocity * (new / old))
 
-    def _sgd_velocities(self):
+    def _inner_optimizer(self):
+        """The optimizer inside any wrappers (`LossScaleOptimizer`), which holds the rate."""
         optimizer = self.model.optimizer
         while hasattr(optimizer, "inner_optimizer"):
             optimizer = optimizer.inner_optimizer
+        return optimizer
+
+    def _sgd_velocities(self):
+        optimizer = self._inner_optimizer()
         # Before the first step Keras has not built the optimizer, and its
         # velocities (zero at first) do not exist yet.
         if isinstance(optimizer, keras.optimizers.SGD) and optimizer.momentum and optimizer.built:

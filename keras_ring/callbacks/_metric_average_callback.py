@@ -16,9 +16,21 @@ class MetricAverageCallback(_sync.SyncedCallback):
     each epoch this callback replaces every numeric entry of `logs` (`loss`,
     `val_accuracy`, ...) with its mean over the ranks, so that every rank sees
     the same values. Entries are reduced in sorted order of their keys, and
-    entries that are not numbers are left alone. The mean of the ranks' means
-    is the mean over all the data when every rank sees the same number of
-    samples.
+    entries that are not numbers are left alone.
+
+    The mean over the ranks is the value over all the data only for metrics
+    that are means of per-sample values (the loss, `accuracy`, `mae`, `mse`,
+    ...), and only when every rank sees the same number of samples. It is not
+    for metrics that are ratios of sums over the data (`Precision`, `Recall`,
+    `AUC`, `F1Score`, `MeanIoU`) or non-linear functions of a mean
+    (`RootMeanSquaredError`): the mean of the ranks' ratios or roots is not
+    the ratio or root over all the data, and differs from it the more, the
+    more the shards differ. For exact values of those, evaluate the whole
+    validation set on one rank (for example `model.evaluate` on rank 0, with
+    `kr.broadcast_object` if every rank needs the result), or sum the counts
+    the metric keeps (`Precision`'s `true_positives` and `false_positives`
+    variables, ...) over the ranks with `kr.allreduce(..., op=kr.Sum)` and
+    compute the metric from the sums.
 
     Keras calls callbacks in the order of the `callbacks` list, all with the
     same `logs` dict: put this callback **before** every callback that reads
