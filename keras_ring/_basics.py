@@ -90,7 +90,7 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
             some ranks wait for and others have not submitted (default 60;
             0: never).
         stall_shutdown_time: Seconds after which such a tensor fails on the
-            ranks that wait for it (default 0: never).
+            ranks that wait for it (default 600; 0: never).
         cache_capacity: How many tensor names the response cache holds
             (default 1024; 0: no cache). A cached name is announced to the
             coordinator by a small id and scheduled without comparing its

@@ -144,8 +144,8 @@ typedef struct kr_stats {
  * KERAS_RING_CACHE_CAPACITY (tensor names, default 1024, 0 disables the
  * response cache), KERAS_RING_STALL_CHECK_TIME (seconds, default 60, 0
  * disables the report of tensors some ranks wait for),
- * KERAS_RING_STALL_SHUTDOWN_TIME (seconds,
- * default 0 = never: after it, a stalled tensor fails on the waiting ranks),
+ * KERAS_RING_STALL_SHUTDOWN_TIME (seconds, default 600, 0 = never: after
+ * it, a stalled tensor fails on the waiting ranks),
  * KERAS_RING_CPU_KERNELS (generic, avx2 or avx512, default the best the CPU
  * runs: see kr_cpu_kernels),
  * KERAS_RING_LOG_LEVEL (trace, debug, info, warning (default), error). */

@@ -82,6 +82,9 @@ int UsableCpus() {
   return CPU_COUNT(&cpus);
 }
 constexpr double kDefaultStallCheckSeconds = 60;
+// Long enough for a rank that keeps the others waiting on purpose (rank 0
+// writing a checkpoint or evaluating alone), short of hanging forever.
+constexpr double kDefaultStallShutdownSeconds = 600;
 // How often an otherwise idle coordinator wakes to receive ready lists and
 // look for stalls: once a second costs nothing measurable.
 constexpr auto kStallTick = std::chrono::seconds(1);
@@ -242,7 +245,8 @@ kr_status Engine::Init(std::string* error) {
                                                   "a number of bytes (0: chosen by the engine)",
                                                   ParseCount);
     stall_shutdown_ = Seconds(Setting<double>(
-        {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"}, 0.0,
+        {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"},
+        kDefaultStallShutdownSeconds,
         "a number of seconds", ParseDouble));
     UseKernelLevel(Setting<KernelLevel>({"KERAS_RING_CPU_KERNELS"}, BestKernelLevel(),
                                         "generic, avx2 or avx512", ParseKernelLevel));

@@ -699,8 +699,10 @@ void Coordinator::FailStalled(Clock::time_point now, Clock::duration fail_after,
     resp.names = {name};
     resp.cache_ids = {-1};
     resp.error = "keras-ring: stalled: " + Stall(name, table_[name], now) +
-                 "; giving up (KERAS_RING_STALL_SHUTDOWN_TIME). A rank that skips a collective "
-                 "or runs a different number of steps leaves the others waiting.";
+                 "; giving up after KERAS_RING_STALL_SHUTDOWN_TIME seconds. A rank that skips a "
+                 "collective or runs a different number of steps (in model.fit: data of "
+                 "unknown length that gives the ranks different numbers of batches) leaves "
+                 "the others waiting.";
     resp.status = KR_ABORTED;
     out->push_back(std::move(resp));
     table_.erase(name);

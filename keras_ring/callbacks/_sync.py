@@ -24,6 +24,7 @@ import zlib
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_ring import _basics, _log, _ops
 from keras_ring._reduce_ops import Max
@@ -53,10 +54,13 @@ UNKNOWN_STEPS_WARNING = (
     "has an unknown length, as after dataset.filter()), so keras-ring cannot check before "
     "training that all ranks run the same number. A rank whose data runs out first finds out "
     "inside its train step; if that step communicates (DistributedOptimizer), the other ranks "
-    "then wait for it in their gradient allreduce. Declare the length with "
+    "then wait for it in their gradient allreduce, and the job fails after "
+    "KERAS_RING_STALL_SHUTDOWN_TIME seconds (default 600). Declare the length with "
     "dataset.apply(tf.data.experimental.assert_cardinality(n)) on every rank, or pass "
     "steps_per_epoch to fit() with dataset.repeat()."
 )
+# The engine's error for a tensor that some ranks waited for too long.
+_STALLED = "keras-ring: stalled:"
 STOP_ADVICE = (
     "If a callback stopped training on some ranks only (EarlyStopping, TerminateOnNaN), put "
     "keras_ring.callbacks.AgreedStoppingCallback() after it in the callbacks list."
@@ -161,7 +165,19 @@ class _StepGuard:
         # A step that finds no data is begun but never ended, so where the
         # ranks' step counts may differ, the ended steps are compared.
         step = self.steps if point in (BATCH_BEGIN, BATCH_END) else self.completed
-        return exchange(point, self.epoch, step, kind, values)
+        try:
+            return exchange(point, self.epoch, step, kind, values)
+        except tf.errors.OpError as e:
+            if _STALLED not in e.message:
+                raise
+            # The others are not at any exchange: inside a train step, most
+            # likely waiting for this rank's gradients (their data goes on).
+            raise RuntimeError(
+                f"keras-ring: this rank (rank {_basics.rank()}) {_where(point, self.epoch, step)}, "
+                "but other ranks did not reach that point: they are still training, most "
+                "likely in a step this rank does not run because its data has run out. "
+                f"{STEPS_ADVICE} The engine's report: {e.message}"
+            ) from None
 
     def _first_at(self, point):
         # Every rank runs the same callbacks in the same order, so every rank

@@ -1,0 +1,37 @@
+"""What a new user of keras-ring runs into, under the launcher (workers/keras_traps_worker.py)."""
+
+import pathlib
+import re
+
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "keras_traps_worker.py"
+
+
+def outcomes(output, scenario, np):
+    """Each rank's outcome line, by rank."""
+    found = dict(re.findall(rf"^{scenario} rank (\d+): (.*)$", output, re.MULTILINE))
+    assert sorted(found) == [str(r) for r in range(np)], output
+    return [found[str(r)] for r in range(np)]
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_uneven_data_of_unknown_length_fails_every_rank_instead_of_hanging(
+    run_ranks, tmp_path, np
+):
+    # Rank 0 has 17 batches, the others 16, in a dataset of unknown length.
+    env = {"KERAS_RING_STALL_CHECK_TIME": "1", "KERAS_RING_STALL_SHUTDOWN_TIME": "4"}
+    result = run_ranks(np, WORKER, "unknown_length", tmp_path, env=env, timeout=240)
+    rank0, *others = outcomes(result.stdout, "unknown_length", np)
+    # Rank 0 waits in its 17th step's gradient allreduce: the engine's message.
+    assert rank0.startswith("raised AbortedError") and "keras-ring: stalled:" in rank0, rank0
+    assert "data of unknown length" in rank0, rank0
+    # The others ran out of data and wait at the end of the epoch: the step guard's message.
+    for rank, outcome in enumerate(others, start=1):
+        assert outcome.startswith(
+            f"raised RuntimeError: keras-ring: this rank (rank {rank}) has ended epoch 1 after "
+            "16 steps, but other ranks did not reach that point"
+        ), outcome
+        assert "shard_dataset" in outcome, outcome
