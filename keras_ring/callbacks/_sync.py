@@ -26,7 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import _basics, _log, _ops
+from keras_ring import _basics, _log, _ops, _optimizer
 from keras_ring._reduce_ops import Max
 
 # Points in `fit`.
@@ -40,7 +40,7 @@ _KINDS = {
     STOP: "AgreedStoppingCallback",
 }
 _POSITION = 4  # point, epoch, step, kind: must agree on every rank
-_VALUES = 2
+_VALUES = 3
 _NAME = "keras_ring.callbacks.sync"
 
 STEPS_ADVICE = (
@@ -61,6 +61,14 @@ UNKNOWN_STEPS_WARNING = (
 )
 # The engine's error for a tensor that some ranks waited for too long.
 _STALLED = "keras-ring: stalled:"
+NOT_DISTRIBUTED_WARNING = (
+    "The model's optimizer is not a keras_ring.DistributedOptimizer, so each rank applies its "
+    "own gradients and the ranks' weights drift apart. Compile with "
+    "optimizer=keras_ring.DistributedOptimizer(...); load a saved model with "
+    "keras_ring.load_model(path), not keras.models.load_model, which gives back the plain "
+    "optimizer. (A train_step of your own that reduces gradients with "
+    "keras_ring.DistributedGradientTape needs neither.)"
+)
 STOP_ADVICE = (
     "If a callback stopped training on some ranks only (EarlyStopping, TerminateOnNaN), put "
     "keras_ring.callbacks.AgreedStoppingCallback() after it in the callbacks list."
@@ -77,7 +85,7 @@ def exchange(point, epoch, step, kind, values=()):
         epoch: The epoch index (or -1 before the first epoch).
         step: The step within the epoch (see `_StepGuard.exchange`).
         kind: Who exchanges (`GUARD`, `VARIABLES`, `METRICS`, `STOP`).
-        values: Up to two integers to compare across the ranks.
+        values: Up to three integers to compare across the ranks.
 
     Returns:
         `(low, high)`: the minimum and maximum of each of `values` over the
@@ -151,11 +159,57 @@ def _out_of_step_message(rows):
     return f"keras-ring: the ranks are out of step: {'; '.join(states)}. {advice}"
 
 
+def _learning_rate(model):
+    return float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+
+
+def _weights_digest(model):
+    digest = 0
+    for variable in model.trainable_weights:
+        digest = zlib.crc32(np.ascontiguousarray(keras.ops.convert_to_numpy(variable)), digest)
+    return digest
+
+
+def _rate_digest(model):
+    return zlib.crc32(np.float64(_learning_rate(model)).tobytes())
+
+
+def _divergence_message(point, epoch, differ, digests, rates, distributed):
+    """The warning for ranks whose trainable weights or learning rates differ."""
+    when = "at the end of training" if point == TRAIN_END else f"after epoch {epoch + 1}"
+    parts, causes = [], []
+    if "rate" in differ:
+        parts.append(f"learning rates ({per_rank(rates)})")
+        causes.append(
+            "a callback changed the learning rate from each rank's own metrics: put "
+            "keras_ring.callbacks.MetricAverageCallback() before ReduceLROnPlateau (and every "
+            "callback that reads the metrics), so that every rank decides from the same averages."
+        )
+    if "weights" in differ:
+        groups = {}
+        for rank, digest in enumerate(digests[:, 0]):
+            groups.setdefault(digest, []).append(rank)
+        parts.append("trainable weights (ranks that agree: "
+                     + "; ".join(str(ranks) for ranks in groups.values()) + ")")
+        if not distributed.any():
+            causes.append(NOT_DISTRIBUTED_WARNING)
+        elif "rate" not in differ:
+            causes.append(
+                "the ranks started from different weights (pass "
+                "keras_ring.callbacks.BroadcastGlobalVariablesCallback(0)), a callback changed "
+                "weights on some ranks only, or the weights were updated outside the distributed "
+                "optimizer."
+            )
+    return (f"The ranks have diverged {when}: their {' and '.join(parts)} differ, although "
+            "data-parallel ranks hold the same. Likely cause: " + " Or: ".join(causes))
+
+
 class _StepGuard:
     """The guard of one `fit`: exchanges once at each point, whichever callback gets there first."""
 
     def __init__(self):
         self._last_point = None
+        self._reported = set()  # kinds of divergence reported in this `fit`
         self.epoch = -1
         self.steps = 0  # begun in the current epoch
         self.completed = 0  # ended in the current epoch
@@ -187,13 +241,14 @@ class _StepGuard:
         self._last_point = point
         return True
 
-    def train_begin(self, params):
+    def train_begin(self, params, model):
         if not self._first_at((TRAIN_BEGIN,)):
             return
         planned = params.get("steps")
         planned = -1 if planned is None else int(planned)
         epochs = int(params.get("epochs") or 0)
-        low, high = self.exchange(TRAIN_BEGIN, GUARD, (planned, epochs))
+        distributed = _optimizer.is_distributed(model.optimizer)
+        low, high = self.exchange(TRAIN_BEGIN, GUARD, (planned, epochs, distributed))
         if low[0] < 0 and _basics.size() > 1 and _basics.rank() == 0:
             _log.warning(UNKNOWN_STEPS_WARNING, once=True)
         if low[0] >= 0 and low[0] != high[0]:
@@ -208,6 +263,17 @@ class _StepGuard:
                 f"keras-ring: the ranks would train for different numbers of epochs ({counts}). "
                 "Pass the same `epochs` (and `initial_epoch`) to fit() on every rank."
             )
+        if low[2] != high[2]:
+            which = per_rank("yes" if d else "no" for d in gather([distributed])[:, 0])
+            raise RuntimeError(
+                "keras-ring: the model's optimizer is a keras_ring.DistributedOptimizer on some "
+                f"ranks only ({which}): those wait for the others in every step. "
+                "Compile the same model with the same optimizer on every rank."
+            )
+        # A train_step of the user's own may reduce its gradients itself.
+        own_step = type(model).train_step is not keras.Model.train_step
+        if not high[2] and not own_step and _basics.size() > 1 and _basics.rank() == 0:
+            _log.warning(NOT_DISTRIBUTED_WARNING, once=True)
 
     def epoch_begin(self, epoch):
         if epoch != self.epoch:
@@ -222,13 +288,36 @@ class _StepGuard:
     def batch_end(self):
         self.completed = self.steps
 
-    def epoch_end(self, epoch):
+    def epoch_end(self, epoch, model):
         if self._first_at((EPOCH_END, epoch)):
-            self.exchange(EPOCH_END, GUARD)
+            self._check_agreement(EPOCH_END, model)
 
-    def train_end(self):
+    def train_end(self, model):
         if self._first_at((TRAIN_END,)):
-            self.exchange(TRAIN_END, GUARD)
+            self._check_agreement(TRAIN_END, model)
+
+    def _check_agreement(self, point, model):
+        """Exchanges at `point`, and warns if the ranks' weights or learning rates differ.
+
+        Data-parallel ranks hold the same trainable weights and learning rate
+        bit for bit; each is compared through a checksum (one read of the
+        weights per epoch, no extra collective unless they differ). Each kind
+        of difference is reported once per `fit`, on rank 0, with its likely
+        cause.
+        """
+        weights, rate = _weights_digest(model), _rate_digest(model)
+        low, high = self.exchange(point, GUARD, (weights, rate))
+        differ = [kind for kind, i in (("weights", 0), ("rate", 1)) if low[i] != high[i]]
+        differ = [kind for kind in differ if kind not in self._reported]
+        if not differ:
+            return
+        self._reported.update(differ)
+        digests = gather([weights, rate])
+        rates = gather_text(f"{_learning_rate(model):.7g}")
+        distributed = gather([_optimizer.is_distributed(model.optimizer)])[:, 0]
+        if _basics.rank() == 0:
+            _log.warning(_divergence_message(point, self.epoch, differ, digests, rates,
+                                             distributed))
 
 
 # The guard of the current `fit`, keyed by the `params` dict that Keras's
@@ -256,7 +345,7 @@ class SyncedCallback(keras.callbacks.Callback):
         return _guard_for(self.params)
 
     def on_train_begin(self, logs=None):
-        self.step_guard.train_begin(self.params)
+        self.step_guard.train_begin(self.params, self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.step_guard.epoch_begin(epoch)
@@ -268,7 +357,7 @@ class SyncedCallback(keras.callbacks.Callback):
         self.step_guard.batch_end()
 
     def on_epoch_end(self, epoch, logs=None):
-        self.step_guard.epoch_end(epoch)
+        self.step_guard.epoch_end(epoch, self.model)
 
     def on_train_end(self, logs=None):
-        self.step_guard.train_end()
+        self.step_guard.train_end(self.model)

@@ -62,7 +62,64 @@ def unknown_length(out_dir):
     return "FAILED: fit returned"
 
 
-SCENARIOS = {"unknown_length": unknown_length}
+class RankMetric(keras.callbacks.Callback):
+    """Logs a metric that improves on rank 0 and stays flat on the others: a rank's own view."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["rank_metric"] = 1.0 / (epoch + 1) if kr.rank() == 0 else 1.0
+
+
+def plateau():
+    return keras.callbacks.ReduceLROnPlateau(monitor="rank_metric", mode="min", factor=0.5,
+                                             patience=0, min_delta=0.0, verbose=0)
+
+
+def divergence(out_dir):
+    """Ranks that silently diverge are reported; ranks that agree are not.
+
+    Each case prints `case <name> begin` and `case <name> end` around its fit,
+    so that the test finds which warnings each case logged (rank 0 logs them).
+    """
+    x, y = data(64, seed=kr.rank())  # each rank's own shard
+    broadcast = kr.callbacks.BroadcastGlobalVariablesCallback
+    average = kr.callbacks.MetricAverageCallback
+    saved = os.path.join(out_dir, "saved.keras")
+    if kr.rank() == 0:
+        compile_distributed(small_model()).save(saved)
+    kr.barrier()
+    cases = {
+        "agreeing": (lambda: compile_distributed(small_model()), [broadcast(0), average()]),
+        "plateau_after_average": (lambda: compile_distributed(small_model()),
+                                  [broadcast(0), RankMetric(), average(), plateau()]),
+        "plateau_before_average": (lambda: compile_distributed(small_model()),
+                                   [broadcast(0), RankMetric(), plateau(), average()]),
+        "plain_optimizer": (keras_model_compiled_plain, [broadcast(0), average()]),
+        "keras_load_model": (lambda: keras.models.load_model(saved), [broadcast(0), average()]),
+    }
+    rates = {}
+    for name, (make, callbacks) in cases.items():
+        print(f"case {name} begin", flush=True)
+        model = make()
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+        rates[name] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+        kr.barrier()
+        print(f"case {name} end", flush=True)
+    # The plateau fired on the flat ranks only when they read their own metric.
+    lr, halved = float(np.float32(0.05)), float(np.float32(0.025))
+    if rates["plateau_before_average"] != (lr if kr.rank() == 0 else halved) or (
+        rates["plateau_after_average"] != lr
+    ):
+        return f"FAILED: learning rates {rates}"
+    return "ok"
+
+
+def keras_model_compiled_plain():
+    model = small_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+SCENARIOS = {"unknown_length": unknown_length, "divergence": divergence}
 
 
 def main():
