@@ -55,6 +55,8 @@ _LAZY = {
     "DistributedGradientTape": "keras_ring._gradient_tape",
     "shard_dataset": "keras_ring._data",
     "rank_zero_verbose": "keras_ring._data",
+    "unshard": "keras_ring._data",
+    "evaluate": "keras_ring._evaluate",
     "run": "keras_ring._run",
     # Lazy too, so that `python -m keras_ring.timeline` runs a module not yet imported.
     "start_timeline": "keras_ring.timeline",

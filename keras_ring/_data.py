@@ -1,8 +1,10 @@
-"""Data helpers: each rank's shard of a dataset, and output on rank 0 only."""
+"""Data helpers: each rank's shard of a dataset, its results gathered back, output on rank 0."""
 
+import keras
+import numpy as np
 import tensorflow as tf
 
-from keras_ring import _basics
+from keras_ring import _basics, _ops
 
 
 def shard_dataset(dataset, drop_remainder=False):
@@ -60,6 +62,70 @@ def shard_dataset(dataset, drop_remainder=False):
         if count != tf.data.INFINITE_CARDINALITY:
             dataset = dataset.take(count - count % size)
     return dataset.shard(size, rank)
+
+
+def unshard(results, name="keras_ring.unshard"):
+    """Gathers every rank's results for its `shard_dataset` shard, in the dataset's order.
+
+    After `shard_dataset`, rank `r` holds elements `r`, `r + size()`, ... of
+    the dataset, so gathering the ranks' results one rank after the other
+    (`allgather`) would put them in another order than the dataset's. This
+    puts every row back where its element was: row `i` of the result belongs
+    to element `i` of the dataset before sharding. Collective: every rank
+    calls it, and every rank gets the whole result.
+
+    Args:
+        results: This rank's rows, one per element of its shard, in the
+            shard's order: an array or tensor (for example what
+            `model.predict` returns for the shard, unshuffled), or a nested
+            structure of them (a multi-output model's list or dict).
+        name: The prefix of the collectives' names.
+
+    Returns:
+        NumPy arrays of every rank's rows in the dataset's order, in the
+        structure of `results`.
+
+    Raises:
+        ValueError: On every rank, if the ranks' row counts are not those of
+            `shard_dataset`'s shards (rank `r` of `n` elements holds
+            `len(range(r, n, size()))`): each rank's count is named.
+
+    Example:
+
+    ```python
+    kr.init()
+    test = tf.data.Dataset.from_tensor_slices(x_test)  # 10 rows; 3 ranks: 4, 3 and 3
+    predictions = model.predict(test.apply(kr.shard_dataset).batch(32))
+    predictions = kr.unshard(predictions)  # all 10 rows, as model.predict(x_test) orders them
+    ```
+    """
+    _basics._require_initialized("unshard()")
+    flat = [np.asarray(keras.ops.convert_to_numpy(r)) for r in tf.nest.flatten(results)]
+    rows = {a.shape[0] if a.ndim else -1 for a in flat}
+    if len(rows) != 1 or -1 in rows:
+        raise ValueError(
+            "unshard() takes one row per element of this rank's shard: arrays with the same "
+            f"first dimension. Received shapes: {[a.shape for a in flat]}"
+        )
+    size = _basics.size()
+    counts = _ops.allgather(np.array([rows.pop()], np.int64), name=f"{name}.counts").numpy()
+    total = int(counts.sum())
+    if counts.tolist() != [len(range(r, total, size)) for r in range(size)]:
+        raise ValueError(
+            "unshard() puts back rows of shard_dataset's shards, where rank r of n elements "
+            f"holds len(range(r, n, size())) rows; the ranks hold "
+            f"{', '.join(f'rank {r}: {c}' for r, c in enumerate(counts.tolist()))} of {total}. "
+            "Pass every row of this rank's shard, unshuffled and not repeated."
+        )
+    # Rank r's row j is element r + j * size of the dataset.
+    order = np.concatenate([np.arange(r, total, size) for r in range(size)])
+    gathered = []
+    for i, array in enumerate(flat):
+        together = _ops.allgather(array, name=f"{name}.{i}").numpy()
+        back = np.empty_like(together)
+        back[order] = together
+        gathered.append(back)
+    return tf.nest.pack_sequence_as(results, gathered)
 
 
 def rank_zero_verbose(verbose=1):

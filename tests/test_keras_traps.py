@@ -69,3 +69,9 @@ def test_ranks_that_silently_diverge_are_reported(run_ranks, tmp_path, np):
         (weights,) = diverged[name]
         assert "after epoch 1: their trainable weights" in weights, weights
         assert "keras_ring.load_model(path), not keras.models.load_model" in weights, weights
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_evaluate_and_predict_over_shards_give_the_whole_datas_results(run_ranks, tmp_path, np):
+    result = run_ranks(np, WORKER, "evaluate_predict", tmp_path, timeout=300)
+    assert outcomes(result.stdout, "evaluate_predict", np) == ["ok"] * np

@@ -1,36 +1,44 @@
-"""MetricAverageCallback: epoch-end metrics averaged over the ranks."""
+"""MetricAverageCallback: the metrics of all ranks' data, on every rank."""
 
 import numbers
 
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import _basics, _ops
+from keras_ring import _basics, _evaluate, _log, _ops
 from keras_ring.callbacks import _sync
 
 
 class MetricAverageCallback(_sync.SyncedCallback):
-    """Averages the epoch-end metrics (`logs`) over the ranks, in place.
+    """Makes every rank log the metrics of all ranks' data: exact for evaluation, averaged in fit.
 
-    Each rank computes its metrics on its own shard of the data. At the end of
-    each epoch this callback replaces every numeric entry of `logs` (`loss`,
-    `val_accuracy`, ...) with its mean over the ranks, so that every rank sees
-    the same values. Entries are reduced in sorted order of their keys, and
-    entries that are not numbers are left alone.
+    Each rank computes its metrics on its own shard of the data.
 
-    The mean over the ranks is the value over all the data only for metrics
-    that are means of per-sample values (the loss, `accuracy`, `mae`, `mse`,
-    ...), and only when every rank sees the same number of samples. It is not
-    for metrics that are ratios of sums over the data (`Precision`, `Recall`,
-    `AUC`, `F1Score`, `MeanIoU`) or non-linear functions of a mean
-    (`RootMeanSquaredError`): the mean of the ranks' ratios or roots is not
-    the ratio or root over all the data, and differs from it the more, the
-    more the shards differ. For exact values of those, evaluate the whole
-    validation set on one rank (for example `model.evaluate` on rank 0, with
-    `kr.broadcast_object` if every rank needs the result), or sum the counts
-    the metric keeps (`Precision`'s `true_positives` and `false_positives`
-    variables, ...) over the ranks with `kr.allreduce(..., op=kr.Sum)` and
-    compute the metric from the sums.
+    **Validation** (`validation_data` in `fit`): when it ends, this callback
+    sums the state of every compiled metric over the ranks (Keras's metrics
+    keep sums and counts: `Mean`'s total and count, `Precision`'s true and
+    false positives, `AUC`'s confusion counts per threshold) and the epoch's
+    `val_*` entries hold the results computed from the sums: the values over
+    the union of all ranks' validation data, for every Keras metric and any
+    number of samples per rank (a metric of your own must keep additive
+    state). With a `test_step` of your own that logs other values than the
+    compiled metrics, the logged values are averaged instead.
+    `model.evaluate` returns what Keras computed before any callback ran, so
+    this callback cannot make it global (it warns if passed to `evaluate`):
+    call `keras_ring.evaluate(model, ...)` instead.
+
+    **Training**: the state of the epoch's training metrics is gone when the
+    epoch ends (validation reuses the same metric objects), so at the end of
+    each epoch this callback replaces every other
+    numeric entry of `logs` (`loss`, `accuracy`, ...) with its mean over the
+    ranks, so that every rank sees the same values. Entries are reduced in
+    sorted order of their keys, and entries that are not numbers are left
+    alone. That mean is the value over all the data only for metrics that are
+    means of per-sample values (the loss, `accuracy`, `mae`, `mse`, ...), and
+    only when every rank sees the same number of samples; not for ratios of
+    sums (`Precision`, `Recall`, `AUC`, `F1Score`, `MeanIoU`) or non-linear
+    functions of a mean (`RootMeanSquaredError`), which the `val_*` entries
+    give exactly.
 
     Keras calls callbacks in the order of the `callbacks` list, all with the
     same `logs` dict: put this callback **before** every callback that reads
@@ -47,8 +55,8 @@ class MetricAverageCallback(_sync.SyncedCallback):
         device: The device on which to reduce; by default TensorFlow's choice.
 
     Raises:
-        RuntimeError: At the end of an epoch, on every rank, if the ranks
-            logged different metrics (each rank's keys are named).
+        RuntimeError: At the end of an epoch or of evaluating, on every rank,
+            if the ranks logged different metrics (each rank's keys are named).
 
     Example:
 
@@ -59,21 +67,64 @@ class MetricAverageCallback(_sync.SyncedCallback):
         keras.callbacks.EarlyStopping(monitor="val_loss", patience=3),
     ]
     model.fit(x, y, validation_data=(x_val, y_val), callbacks=callbacks)
+    # The loss and metrics of the union of every rank's shard of the test set:
+    results = kr.evaluate(model, test_shard, return_dict=True)
     ```
     """
 
     def __init__(self, device=""):
         super().__init__()
         self.device = device
+        self._in_fit = False
+        self._validation = None  # this epoch's exact validation results
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._in_fit = True
+        self._validation = None
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)
+        self._in_fit = False
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
         if _basics.size() == 1 or logs is None:
             return
-        keys = sorted(
-            k for k, v in logs.items() if isinstance(v, numbers.Number) and not isinstance(v, bool)
-        )
-        self._check_same_keys(epoch, keys)
+        validation, self._validation = self._validation, None
+        self._average(_sync.EPOCH_END, logs)
+        if validation:  # exact, where the average of the ranks' results may not be
+            logs.update((f"val_{k}", v) for k, v in validation.items() if f"val_{k}" in logs)
+
+    def on_test_begin(self, logs=None):
+        if not self._in_fit and _basics.size() > 1 and _basics.rank() == 0:
+            _log.warning(
+                "MetricAverageCallback cannot change what model.evaluate() returns (Keras "
+                "computes it before callbacks see it): it stays this rank's own. Call "
+                "keras_ring.evaluate(model, ...) for the results of all ranks' data.",
+                once=True,
+            )
+
+    def on_test_end(self, logs=None):
+        # Validation inside `fit` ends here too, before the epoch's end.
+        if _basics.size() == 1 or logs is None:
+            return
+        local = self.model.get_metrics_result()
+        # Keras logs its metrics' results unless a test_step of the user's own logs others.
+        exact = sorted(local) == _numeric_keys(logs)
+        low, high = self.step_guard.exchange(_sync.TEST_END, _sync.METRICS, (exact,))
+        if not (low[0] and high[0]):
+            self._average(_sync.TEST_END, logs)
+            return
+        with tf.device(self.device):
+            results = _evaluate.sum_metric_states(self.model)
+        logs.update(results)  # for the callbacks after this one
+        if self._in_fit:
+            self._validation = results
+
+    def _average(self, point, logs):
+        keys = _numeric_keys(logs)
+        self._check_same_keys(point, keys)
         if not keys:
             return
         values = np.array([logs[k] for k in keys], np.float64)
@@ -81,16 +132,25 @@ class MetricAverageCallback(_sync.SyncedCallback):
             averaged = _ops.allreduce(values, name="keras_ring.metric_average").numpy()
         logs.update(zip(keys, averaged.tolist()))
 
-    def _check_same_keys(self, epoch, keys):
+    def _check_same_keys(self, point, keys):
         low, high = self.step_guard.exchange(
-            _sync.EPOCH_END, _sync.METRICS, (len(keys), _sync.digest("\n".join(keys)))
+            point, _sync.METRICS, (len(keys), _sync.digest("\n".join(keys)))
         )
         if (low == high).all():
             return
         ranks = _sync.gather_text(", ".join(keys))
+        guard = self.step_guard
+        when = (f"at the end of epoch {guard.epoch + 1}" if point == _sync.EPOCH_END
+                else "at the end of evaluating")
         raise RuntimeError(
-            f"keras-ring: MetricAverageCallback: the ranks logged different metrics at the end "
-            f"of epoch {epoch + 1} ({_sync.per_rank(f'[{k}]' for k in ranks)}), so they cannot be "
+            f"keras-ring: MetricAverageCallback: the ranks logged different metrics {when} "
+            f"({_sync.per_rank(f'[{k}]' for k in ranks)}), so they cannot be "
             "averaged. Compile the same metrics on every rank, and pass validation data to fit() "
             "on every rank or on none."
         )
+
+
+def _numeric_keys(logs):
+    return sorted(
+        k for k, v in logs.items() if isinstance(v, numbers.Number) and not isinstance(v, bool)
+    )

@@ -30,7 +30,7 @@ from keras_ring import _basics, _log, _ops, _optimizer
 from keras_ring._reduce_ops import Max
 
 # Points in `fit`.
-TRAIN_BEGIN, BATCH_BEGIN, BATCH_END, EPOCH_END, TRAIN_END = range(1, 6)
+TRAIN_BEGIN, BATCH_BEGIN, BATCH_END, EPOCH_END, TRAIN_END, TEST_END = range(1, 7)
 # Who exchanges: names each rank's position when ranks disagree.
 GUARD, VARIABLES, METRICS, STOP = range(4)
 _KINDS = {
@@ -141,6 +141,7 @@ def _where(point, epoch, step):
         BATCH_END: f"is ending step {step} of epoch {epoch}",
         EPOCH_END: f"has ended epoch {epoch} after {step} steps",
         TRAIN_END: "has ended training",
+        TEST_END: "has ended evaluating" if epoch < 1 else f"has ended validating epoch {epoch}",
     }[point]
 
 

@@ -119,7 +119,66 @@ def keras_model_compiled_plain():
     return model
 
 
-SCENARIOS = {"unknown_length": unknown_length, "divergence": divergence}
+def evaluate_predict(out_dir):
+    """Evaluation and prediction over every rank's shard give the whole data's results.
+
+    10 rows of test data shard unevenly (4, 3, 3 rows on 3 ranks).
+    `kr.evaluate`, and `fit`'s validation with MetricAverageCallback, must
+    give the metrics of all 10 rows, ratios of sums (Precision, AUC)
+    included; `unshard` must give every row's prediction in the data's order. The references are
+    computed on each rank with plain Keras on all 10 rows.
+    """
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    metrics = ["accuracy", keras.metrics.Precision(name="precision"),
+               keras.metrics.AUC(name="auc"), keras.metrics.RootMeanSquaredError(name="rmse")]
+    model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="binary_crossentropy", metrics=metrics)
+    x, _ = data(10, seed=1)
+    y = (x[:, 0] > 0).astype("float32")[:, None]
+    test = tf.data.Dataset.from_tensor_slices((x, y))
+    shard = test.apply(kr.shard_dataset).batch(2)
+    train_x, train_y = data(8 * kr.size(), seed=2)
+    train_y = (train_y > 0).astype("float32")
+    history = model.fit(train_x[kr.rank()::kr.size()], train_y[kr.rank()::kr.size()],
+                        batch_size=4, epochs=2, verbose=0, validation_data=shard,
+                        callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   kr.callbacks.MetricAverageCallback()])
+    reference = model.evaluate(test.batch(2), verbose=0, return_dict=True)
+    problems = []
+    for key, expected in reference.items():
+        got = history.history[f"val_{key}"][-1]
+        if not np.isclose(got, expected, rtol=1e-5, atol=1e-6):
+            problems.append(f"fit's val_{key} {got} != {expected}")
+    results = kr.evaluate(model, shard, verbose=0, return_dict=True)
+    for key, expected in reference.items():
+        if not np.isclose(results[key], expected, rtol=1e-5, atol=1e-6):
+            problems.append(f"kr.evaluate's {key} {results[key]} != {expected}")
+    as_list = kr.evaluate(model, shard, verbose=0)
+    expected = model.evaluate(test.batch(2), verbose=0)
+    if not np.allclose(as_list, expected, rtol=1e-5, atol=1e-6):
+        problems.append(f"kr.evaluate's list {as_list} != {expected}")
+    # MetricAverageCallback in evaluate: callbacks after it see all ranks' results.
+    seen = {}
+    keep = keras.callbacks.LambdaCallback(on_test_end=lambda logs: seen.update(logs))
+    model.evaluate(shard, verbose=0, callbacks=[kr.callbacks.MetricAverageCallback(), keep])
+    if not np.isclose(seen.get("auc", -1), reference["auc"], rtol=1e-5, atol=1e-6):
+        problems.append(f"after MetricAverageCallback in evaluate: {seen}")
+    predictions = kr.unshard(model.predict(test.apply(kr.shard_dataset).batch(3), verbose=0))
+    if not np.allclose(predictions, model.predict(x, verbose=0), rtol=1e-6, atol=1e-7):
+        problems.append(f"unshard gave {predictions.ravel()}")
+    try:
+        kr.unshard(np.zeros((2 if kr.rank() == 0 else 5, 1)))
+        problems.append("unshard took rows that no shard_dataset shard gives")
+    except ValueError as e:
+        if "rank 0: 2, rank 1: 5" not in str(e):
+            problems.append(f"unshard's error: {e}")
+    return f"FAILED: {'; '.join(problems)}" if problems else "ok"
+
+
+SCENARIOS = {"unknown_length": unknown_length, "divergence": divergence,
+             "evaluate_predict": evaluate_predict}
 
 
 def main():
