@@ -3,10 +3,13 @@
 The API mirrors `horovod.tensorflow.keras`: `init()`, `rank()`, `size()`,
 collectives on tensors (`allreduce`, `grouped_allreduce`, `allgather`,
 `grouped_allgather`, `broadcast`, `reducescatter`, `grouped_reducescatter`,
-`alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`.
+`alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`,
+and for Keras `DistributedOptimizer`, `DistributedGradientTape` and
+`SyncBatchNormalization`.
 """
 
 import importlib
+import sys
 
 from keras_ring._basics import (
     cross_rank,
@@ -53,6 +56,7 @@ _LAZY = {
     "DistributedOptimizer": "keras_ring._optimizer",
     "load_model": "keras_ring._optimizer",
     "DistributedGradientTape": "keras_ring._gradient_tape",
+    "SyncBatchNormalization": "keras_ring._sync_batch_norm",
     "shard_dataset": "keras_ring._data",
     "rank_zero_verbose": "keras_ring._data",
     "unshard": "keras_ring._data",
@@ -72,6 +76,12 @@ __all__ = [
     "allgather_object", "barrier", "join", "ProcessSet", "add_process_set",
     "global_process_set", "remove_process_set", *_LAZY,
 ]
+
+
+# With Keras already loaded, registering keras-ring's layers costs nothing, and
+# keras.models.load_model then finds them in saved models.
+if "keras" in sys.modules:
+    importlib.import_module("keras_ring._sync_batch_norm")
 
 
 def __getattr__(name):

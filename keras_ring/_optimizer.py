@@ -11,6 +11,7 @@ one would, and loads without keras-ring.
 """
 
 import functools
+import importlib
 import numbers
 
 import keras
@@ -398,6 +399,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     ```
     """
     check_no_strategy("load_model")
+    # Registers keras-ring's own layers with Keras, which a saved model may name.
+    importlib.import_module("keras_ring._sync_batch_norm")
     # Keras saves a registered class under its registered name, `package>Name`.
     objects = {}
     for cls in custom_optimizers or ():
