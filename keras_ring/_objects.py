@@ -107,6 +107,12 @@ def join(process_set=None):
     Collectives that cannot take zeros (Min, Max, Product, a broadcast from a
     joined rank, alltoall) fail with an error naming the joined ranks.
 
+    A rank that joined early did not apply the updates the others made after
+    it joined: its weights are behind theirs. The rank that joined last took
+    every update, so broadcast the training state from the rank `join()`
+    returns before using the model on every rank (evaluating, saving,
+    training on), as in the example.
+
     Args:
         process_set: Join within this `ProcessSet` (its collectives only);
             default: every rank.
@@ -120,6 +126,8 @@ def join(process_set=None):
     for x, y in my_shard:  # shards of different lengths
         train_step(x, y)   # its gradient allreduce: with zeros from ranks that joined
     last = kr.join()       # waits while the other ranks still step
+    # Ranks that joined early missed the last updates: take the last rank's state.
+    kr.broadcast_variables(model.variables + optimizer.variables, root_rank=last)
     ```
     """
     _basics._require_initialized("join()")
