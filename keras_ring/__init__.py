@@ -12,9 +12,13 @@ import importlib
 import sys
 
 from keras_ring._basics import (
+    ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
     init,
     is_homogeneous,
     is_initialized,
@@ -25,10 +29,17 @@ from keras_ring._basics import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
 )
-from keras_ring._objects import allgather_object, barrier, broadcast_object, join
+from keras_ring._objects import (
+    allgather_object,
+    barrier,
+    broadcast_object,
+    broadcast_object_fn,
+    join,
+)
 from keras_ring._process_sets import (
     ProcessSet,
     add_process_set,
@@ -52,6 +63,13 @@ _LAZY = {
     "grouped_reducescatter": "keras_ring._ops",
     "alltoall": "keras_ring._ops",
     "broadcast_variables": "keras_ring._ops",
+    "broadcast_": "keras_ring._ops",
+    "broadcast_global_variables": "keras_ring._ops",
+    "size_op": "keras_ring._ops",
+    "local_size_op": "keras_ring._ops",
+    "rank_op": "keras_ring._ops",
+    "local_rank_op": "keras_ring._ops",
+    "process_set_included_op": "keras_ring._ops",
     "Compression": "keras_ring._compression",
     "DistributedOptimizer": "keras_ring._optimizer",
     "load_model": "keras_ring._optimizer",
@@ -73,7 +91,8 @@ __all__ = [
     "cross_rank", "cross_size", "cuda_built", "init", "is_homogeneous", "is_initialized",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "rank", "shutdown", "size", "callbacks", "broadcast_object",
-    "allgather_object", "barrier", "join", "ProcessSet", "add_process_set",
+    "allgather_object", "barrier", "join", "broadcast_object_fn", "gloo_built", "gloo_enabled",
+    "ccl_built", "ddl_built", "rocm_built", "ProcessSet", "add_process_set",
     "global_process_set", "remove_process_set", *_LAZY,
 ]
 

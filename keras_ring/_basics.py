@@ -396,6 +396,33 @@ def cuda_built():
     return False
 
 
+def _never_built(name, what):
+    """A Horovod build check for something keras-ring does not have: it returns False."""
+
+    def check():
+        return False
+
+    check.__name__ = check.__qualname__ = name
+    check.__doc__ = f"""Returns False: {what}
+
+    Horovod's name, so that scripts and tests that check it run unchanged.
+
+    Example:
+
+    ```python
+    assert not kr.{name}()
+    ```
+    """
+    return check
+
+
+gloo_built = _never_built("gloo_built", "keras-ring has no Gloo; MPI starts and carries jobs.")
+gloo_enabled = _never_built("gloo_enabled", "no job runs on Gloo (see `gloo_built`).")
+ccl_built = _never_built("ccl_built", "keras-ring is not built with Intel's oneCCL.")
+ddl_built = _never_built("ddl_built", "keras-ring is not built with IBM's DDL.")
+rocm_built = _never_built("rocm_built", "keras-ring is not built for AMD GPUs (ROCm).")
+
+
 def mpi_library_version():
     """Returns the MPI library's own version string."""
     return _engine().mpi_library_version()

@@ -97,6 +97,34 @@ def allgather_object(obj, name=None, process_set=None):
             for r in range(len(lengths))]
 
 
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
+    """Horovod's factory of object broadcasts: a function `f(obj)` that is `broadcast_object`.
+
+    Args:
+        root_rank: The rank whose object every rank receives.
+        session: Accepted for Horovod's TF1 scripts; there is no session here.
+        name: Matches the broadcasts across ranks; by default the call order does.
+        process_set: Broadcast among this `ProcessSet`'s ranks only.
+
+    Returns:
+        A function of one picklable object that returns the root's object.
+
+    Example:
+
+    ```python
+    kr.init()
+    bcast = kr.broadcast_object_fn(root_rank=0)
+    config = bcast({"lr": 0.1} if kr.rank() == 0 else None)  # rank 0's dict everywhere
+    ```
+    """
+    del session  # TF1 only
+
+    def broadcast(obj):
+        return broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+    return broadcast
+
+
 def join(process_set=None):
     """Says that this rank has run out of data; returns once every rank has.
 

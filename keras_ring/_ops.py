@@ -10,6 +10,7 @@ may share a name.
 import numbers
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from keras_ring import _basics, _compression, _process_sets, _tf_build
@@ -770,7 +771,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     return output if splits is None else (output, received_splits)
 
 
-def broadcast_variables(variables, root_rank, name="keras_ring.broadcast_variables"):
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False,
+                        name="keras_ring.broadcast_variables"):
     """Assigns every variable the value it has on `root_rank`.
 
     Variables are matched by their position in the list (Keras's variable
@@ -779,7 +781,12 @@ def broadcast_variables(variables, root_rank, name="keras_ring.broadcast_variabl
 
     Args:
         variables: A list of `tf.Variable` objects or Keras variables.
-        root_rank: The rank whose values every rank receives.
+        root_rank: The rank whose values every rank receives (counted within
+            `process_set`).
+        process_set: Broadcast among this `ProcessSet`'s ranks only; default:
+            every rank.
+        inplace: Accepted for Horovod's scripts: the variables are always
+            assigned in place.
         name: The prefix of the collectives' names; variable i is `<name>.<i>`.
 
     Example:
@@ -790,9 +797,161 @@ def broadcast_variables(variables, root_rank, name="keras_ring.broadcast_variabl
     kr.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
     ```
     """
+    del inplace  # every broadcast here assigns in place
     for i, variable in enumerate(variables):
         variable.assign(broadcast(variable, root_rank, name=f"{name}.{i}",
-                                  ignore_name_scope=True))
+                                  ignore_name_scope=True, process_set=process_set))
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Horovod's in-place broadcast: assigns every variable its value on `root_rank`.
+
+    As `broadcast_variables`, for scripts written against Horovod's
+    `horovod.tensorflow.broadcast_`.
+
+    Args:
+        variables: A list of `tf.Variable` objects.
+        root_rank: The rank whose values every rank receives.
+        name: The prefix of the collectives' names.
+        process_set: The `ProcessSet` to broadcast in; default: every rank.
+
+    Returns:
+        The variables' values after the broadcast.
+
+    Example:
+
+    ```python
+    kr.init()
+    v = tf.Variable([float(kr.rank())])
+    kr.broadcast_([v], root_rank=0)  # v is [0.] on every rank
+    ```
+    """
+    broadcast_variables(variables, root_rank, process_set=process_set,
+                        name=name or "keras_ring.broadcast_")
+    return [tf.convert_to_tensor(v) for v in variables]
+
+
+def broadcast_global_variables(root_rank):
+    """Horovod's TF1 broadcast of `tf.compat.v1.global_variables()`; refused in eager mode.
+
+    TF2 code keeps its variables in Keras models and optimizers, not in a
+    global collection: broadcast those with `broadcast_variables`, or pass
+    `keras_ring.callbacks.BroadcastGlobalVariablesCallback` to `fit`.
+
+    Args:
+        root_rank: The rank whose values every rank receives.
+
+    Returns:
+        In a TF1 graph, the op that broadcasts the graph's global variables.
+
+    Raises:
+        RuntimeError: When executing eagerly (as Horovod does).
+
+    Example:
+
+    ```python
+    with tf.Graph().as_default():
+        v = tf.compat.v1.get_variable("v", initializer=1.0)
+        bcast = kr.broadcast_global_variables(0)
+    ```
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "broadcast_global_variables() does not run eagerly (TF2 has no global variable "
+            "collection): call keras_ring.broadcast_variables(model.variables + "
+            "optimizer.variables, root_rank) instead."
+        )
+    variables = tf.compat.v1.global_variables()
+    return tf.group(*[v.assign(broadcast(v, root_rank, name=f"keras_ring.global.{i}",
+                                         ignore_name_scope=True))
+                      for i, v in enumerate(variables)])
+
+
+def _topology_op(value, name):
+    """A scalar int32 op whose value `value()` gives when the graph runs, not when it is built."""
+    result = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True,
+                               name=name or "keras_ring_topology")
+    return tf.ensure_shape(result, [])
+
+
+def size_op(process_set_id=0, name=None):
+    """Horovod's op for the number of ranks (of a process set), read when the graph runs.
+
+    Args:
+        process_set_id: The `process_set_id` of a `ProcessSet`; 0: every rank.
+        name: The op's name.
+
+    Returns:
+        An int32 scalar tensor.
+
+    Example:
+
+    ```python
+    kr.init()
+    tf.function(lambda: kr.size_op())()  # 2 in a 2-rank job
+    ```
+    """
+    return _topology_op(lambda: _process_sets.by_id(process_set_id).size(), name)
+
+
+def local_size_op(name=None):
+    """Horovod's op for the number of ranks on this host, read when the graph runs.
+
+    Example:
+
+    ```python
+    kr.init()
+    tf.function(lambda: kr.local_size_op())()
+    ```
+    """
+    return _topology_op(_basics.local_size, name)
+
+
+def rank_op(name=None):
+    """Horovod's op for this process's rank, read when the graph runs.
+
+    Example:
+
+    ```python
+    kr.init()
+    tf.function(lambda: kr.rank_op())()  # 0 on rank 0
+    ```
+    """
+    return _topology_op(_basics.rank, name)
+
+
+def local_rank_op(name=None):
+    """Horovod's op for this process's rank among the ranks of its host, read when it runs.
+
+    Example:
+
+    ```python
+    kr.init()
+    tf.function(lambda: kr.local_rank_op())()
+    ```
+    """
+    return _topology_op(_basics.local_rank, name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """Horovod's op: 1 if this rank belongs to the process set, else 0; read when it runs.
+
+    Args:
+        process_set_id: The `process_set_id` of a `ProcessSet`; 0: every rank.
+        name: The op's name.
+
+    Returns:
+        An int32 scalar tensor. Where Horovod returns an error code (not
+        initialised, an unknown set), running the op raises the error instead.
+
+    Example:
+
+    ```python
+    subset = kr.add_process_set([0, 1])
+    tf.function(lambda: kr.process_set_included_op(subset.process_set_id))()
+    ```
+    """
+    return _topology_op(lambda: _process_sets.by_id(process_set_id).included(), name)
 
 
 def _gradient_reduction(op, api):

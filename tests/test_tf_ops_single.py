@@ -695,3 +695,16 @@ def test_broadcast_variables_assigns_tf_and_keras_variables():
     np.testing.assert_array_equal(keras_var.numpy(), np.ones((2, 2)))
     with pytest.raises(ValueError, match="Received: root_rank=1"):
         kr.broadcast_variables([tf_var], root_rank=1)
+
+
+def test_horovods_build_checks_and_topology_ops():
+    for check in (kr.gloo_built, kr.gloo_enabled, kr.ccl_built, kr.ddl_built, kr.rocm_built):
+        assert check() is False and check.__name__ in kr.__all__
+    ops = tf.function(lambda: [kr.size_op(), kr.rank_op(), kr.local_size_op(),
+                               kr.local_rank_op(), kr.process_set_included_op()])
+    assert [int(t) for t in ops()] == [1, 0, 1, 0, 1]
+
+
+def test_broadcast_global_variables_is_refused_eagerly():
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
+        kr.broadcast_global_variables(0)

@@ -714,6 +714,33 @@ def check_process_sets():
     kr.remove_process_set(pair)
 
 
+def check_horovod_names():
+    """Horovod's topology ops, in-place broadcasts and object broadcast factory."""
+    pair = kr.add_process_set([SIZE - 2, SIZE - 1])
+    topology = tf.function(lambda: [kr.size_op(), kr.rank_op(), kr.local_size_op(),
+                                    kr.local_rank_op(), kr.size_op(pair.process_set_id),
+                                    kr.process_set_included_op(pair.process_set_id),
+                                    kr.process_set_included_op()])
+    got = [int(t) for t in topology()]
+    check("topology ops", np.array(got), np.array(
+        [SIZE, RANK, kr.local_size(), kr.local_rank(), 2, int(pair.included()), 1]), tf.int32)
+    v = tf.Variable(np.full(3, RANK, np.float32))
+    (value,) = kr.broadcast_([v], root_rank=SIZE - 1)
+    check("broadcast_", v, np.full(3, SIZE - 1, np.float32), tf.float32)
+    check("broadcast_ value", value, np.full(3, SIZE - 1, np.float32), tf.float32)
+    if pair.included():
+        w = tf.Variable(np.full(2, RANK, np.float32))
+        kr.broadcast_variables([w], root_rank=1, process_set=pair, inplace=True)
+        check("broadcast_variables in a set", w, np.full(2, SIZE - 1, np.float32), tf.float32)
+    bcast = kr.broadcast_object_fn(root_rank=1, name="hvd.bcast_fn")
+    for step in range(2):
+        got = bcast({"step": step, "from": RANK})
+        if got != {"step": step, "from": 1}:
+            failures.append(f"rank {RANK}: broadcast_object_fn step {step}: {got}")
+    kr.barrier()
+    kr.remove_process_set(pair)
+
+
 def main():
     global RANK, SIZE
     kr.init()
@@ -734,6 +761,7 @@ def main():
             check_order,
             check_mismatch_errors,
             check_process_sets,
+            check_horovod_names,
         ):
             check_all()
             if RANK == 0:
