@@ -6,6 +6,9 @@ tests/workers/callbacks_worker.py checks the communicating callbacks across
 real ranks.
 """
 
+import json
+import shutil
+
 import keras
 import numpy as np
 import pytest
@@ -384,6 +387,193 @@ def test_rank_zero_only_refuses_what_must_run_everywhere():
         kr.callbacks.rank_zero_only(kr.callbacks.MetricAverageCallback())
     with pytest.raises(TypeError, match="Received: callback='log.csv'"):
         kr.callbacks.rank_zero_only("log.csv")
+
+
+# BackupAndRestore with one rank: Keras's callback.
+
+BACKUP_EPOCHS = 4
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Raises at the end of `epoch`, or of batch `batch` in it, as Keras's tests do."""
+
+    def __init__(self, epoch, batch=None):
+        super().__init__()
+        self.at, self.batch, self.epoch = epoch, batch, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (self.at, self.batch):
+            raise RuntimeError("interrupted")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.batch is None and epoch == self.at:
+            raise RuntimeError("interrupted")
+
+
+def backup_model(seed=0, lazy=False):
+    keras.utils.set_random_seed(seed)
+    layers = [keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+    model = keras.Sequential(layers if lazy else [keras.Input((3,)), *layers])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def backup_fit(model, callbacks, epochs=BACKUP_EPOCHS):
+    """The epochs run, or None if a callback interrupted training."""
+    x, y = data()
+    try:
+        history = model.fit(
+            x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks
+        )
+    except RuntimeError as e:
+        assert str(e) == "interrupted"
+        return None
+    return len(history.history.get("loss", []))
+
+
+def backup_state(model):
+    return [keras.ops.convert_to_numpy(v) for v in model.weights + model.optimizer.variables]
+
+
+def interrupted_and_resumed(make_callback, backup_dir, interrupt, lazy=False):
+    """Interrupts a fit, then fits a fresh model (a restarted job) with a fresh callback.
+
+    Returns the resumed model's state, the epochs it ran, and the backup found
+    after the interruption: its file names and its training metadata.
+    """
+    ran = backup_fit(backup_model(0, lazy), [make_callback(backup_dir), interrupt])
+    assert ran is None
+    files = sorted(p.name for p in backup_dir.iterdir())
+    metadata = json.loads((backup_dir / "training_metadata.json").read_text())
+    model = backup_model(1, lazy)
+    epochs = backup_fit(model, [make_callback(backup_dir)])
+    assert not backup_dir.exists()  # delete_checkpoint=True
+    return backup_state(model), epochs, files, metadata
+
+
+def assert_same_state(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "arguments, interrupt, epochs",
+    [
+        ({}, (1, None), BACKUP_EPOCHS - 2),
+        ({"double_checkpoint": True}, (2, None), BACKUP_EPOCHS - 3),
+        # Saved at epoch 1, batch 0: Keras runs epoch 1 again, from those weights.
+        ({"save_freq": 3}, (1, 2), BACKUP_EPOCHS - 1),
+    ],
+)
+def test_backup_and_restore_resumes_as_keras_does(tmp_path, arguments, interrupt, epochs):
+    results = {}
+    for name, cls in (
+        ("keras", keras.callbacks.BackupAndRestore),
+        ("kr", kr.callbacks.BackupAndRestore),
+    ):
+        results[name] = interrupted_and_resumed(
+            lambda d: cls(d, **arguments), tmp_path / name, Interrupt(*interrupt)
+        )
+    (keras_state, keras_epochs, keras_files, keras_metadata) = results["keras"]
+    (state, ran, files, metadata) = results["kr"]
+    assert ran == keras_epochs == epochs
+    assert files == keras_files
+    assert metadata.pop("build_config") == {"input_shape": [None, 3]}
+    assert metadata == keras_metadata
+    assert_same_state(state, keras_state)
+    if "save_freq" not in arguments:  # resumed at an epoch's start: as if never interrupted
+        model = backup_model(0)
+        backup_fit(model, [])
+        assert_same_state(state, backup_state(model))
+
+
+def test_backup_and_restore_keeps_the_backup_if_asked(tmp_path):
+    callback = kr.callbacks.BackupAndRestore(tmp_path / "backup", delete_checkpoint=False)
+    assert backup_fit(backup_model(), [callback]) == BACKUP_EPOCHS
+    metadata = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
+    assert metadata["epoch"] == BACKUP_EPOCHS
+    # The next fit resumes after the last epoch: nothing is left to run.
+    assert backup_fit(backup_model(), [callback]) == 0
+
+
+def test_backup_and_restore_falls_back_to_the_previous_backup(tmp_path):
+    backup_dir = tmp_path / "backup"
+    make = lambda: kr.callbacks.BackupAndRestore(backup_dir, double_checkpoint=True)  # noqa: E731
+    assert backup_fit(backup_model(), [make(), Interrupt(2)]) is None
+    (backup_dir / "latest.weights.h5").write_bytes(b"corrupted")
+    model = backup_model(1)
+    assert backup_fit(model, [make()]) == BACKUP_EPOCHS - 2  # from the end of epoch 1
+    reference = backup_model()
+    backup_fit(reference, [])
+    assert_same_state(backup_state(model), backup_state(reference))
+
+
+def test_backup_and_restore_raises_for_a_corrupted_backup(tmp_path):
+    backup_dir = tmp_path / "backup"
+    assert (
+        backup_fit(backup_model(), [kr.callbacks.BackupAndRestore(backup_dir), Interrupt(0)])
+        is None
+    )
+    (backup_dir / "latest.weights.h5").write_bytes(b"corrupted")
+    with pytest.raises(OSError):
+        backup_fit(backup_model(), [kr.callbacks.BackupAndRestore(backup_dir)])
+
+
+def test_backup_and_restore_resumes_a_lazily_built_model(tmp_path):
+    # Keras's own callback refuses a model that is not built when fit starts.
+    with pytest.raises(ValueError, match="must be built before you call `fit\\(\\)`"):
+        backup_fit(backup_model(lazy=True), [keras.callbacks.BackupAndRestore(tmp_path / "k")])
+    state, epochs, _, metadata = interrupted_and_resumed(
+        kr.callbacks.BackupAndRestore, tmp_path / "backup", Interrupt(1), lazy=True
+    )
+    assert "build_config" in metadata
+    assert epochs == BACKUP_EPOCHS - 2
+    reference = backup_model(0, lazy=True)
+    backup_fit(reference, [])
+    assert_same_state(state, backup_state(reference))
+
+
+def test_backup_and_restore_refuses_a_lazy_model_without_a_build_config(tmp_path):
+    backup_dir = tmp_path / "backup"
+    assert (
+        backup_fit(backup_model(), [kr.callbacks.BackupAndRestore(backup_dir), Interrupt(0)])
+        is None
+    )
+    path = backup_dir / "training_metadata.json"
+    path.write_text(json.dumps({"epoch": 1, "batch": 0}))  # as Keras's callback writes it
+    with pytest.raises(ValueError, match="must be built before you call `fit\\(\\)`"):
+        backup_fit(backup_model(lazy=True), [kr.callbacks.BackupAndRestore(backup_dir)])
+
+
+def test_backup_and_restore_resumes_only_the_fit_that_restored(tmp_path):
+    model = backup_model()
+    callback = kr.callbacks.BackupAndRestore(tmp_path / "backup")
+    assert backup_fit(model, [callback, Interrupt(1)]) is None
+    assert backup_fit(model, [callback]) == BACKUP_EPOCHS - 2
+    assert backup_fit(model, []) == BACKUP_EPOCHS
+    # Resumed, interrupted again, and the backup removed: the next fit starts afresh.
+    assert backup_fit(model, [callback, Interrupt(1)]) is None
+    assert backup_fit(model, [callback, Interrupt(2)]) is None
+    shutil.rmtree(tmp_path / "backup")
+    assert backup_fit(model, [callback]) == BACKUP_EPOCHS
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"backup_dir": ""}, "Empty `backup_dir` argument passed"),
+        ({"backup_dir": "b", "save_freq": "batch"}, "Invalid value for argument `save_freq`"),
+        ({"backup_dir": "b", "save_freq": 0.15}, "Invalid value for argument `save_freq`"),
+    ],
+)
+def test_backup_and_restore_checks_arguments_as_keras_does(arguments, message):
+    for cls in (keras.callbacks.BackupAndRestore, kr.callbacks.BackupAndRestore):
+        with pytest.raises(ValueError, match=message):
+            cls(**arguments)
 
 
 # Data helpers.

@@ -5,7 +5,14 @@ import pathlib
 import pytest
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "callbacks_worker.py"
-SCENARIOS = ["broadcast", "metric_average", "agreed_stopping", "rank_zero_files", "guard"]
+SCENARIOS = [
+    "broadcast",
+    "metric_average",
+    "agreed_stopping",
+    "rank_zero_files",
+    "guard",
+    "backup_and_restore",
+]
 
 
 @pytest.mark.multirank
@@ -13,9 +20,9 @@ SCENARIOS = ["broadcast", "metric_average", "agreed_stopping", "rank_zero_files"
 def test_callbacks(run_ranks, tmp_path, np):
     out_dir = tmp_path / "files"
     out_dir.mkdir()
-    result = run_ranks(np, WORKER, out_dir, *SCENARIOS, timeout=120)
+    result = run_ranks(np, WORKER, out_dir, *SCENARIOS, timeout=300)
     for scenario in SCENARIOS:
         assert f"{scenario}: " in result.stdout, result.stdout
-    # Files are written by rank 0 only.
+    # Files are written by rank 0 only; BackupAndRestore's backups are deleted at the end.
     written = sorted(p.name for p in out_dir.iterdir())
     assert written == ["best_rank0.keras", "checkpoint_rank0.keras", "log_rank0.csv"]

@@ -17,6 +17,8 @@ callbacks = [
     # Files written once, by rank 0.
     kr.callbacks.BestModelCheckpoint("best.keras", monitor="val_loss"),
     kr.callbacks.rank_zero_only(keras.callbacks.CSVLogger("training.csv")),
+    # Resumes after an interruption; one backup_dir for all ranks.
+    kr.callbacks.BackupAndRestore("backup"),
 ]
 model.fit(x, y, validation_data=(x_val, y_val), callbacks=callbacks,
           verbose=kr.rank_zero_verbose(1))
@@ -26,7 +28,7 @@ model.fit(x, y, validation_data=(x_val, y_val), callbacks=callbacks,
 epoch: a rank that runs out of data early, or stops on its own, leaves the
 others waiting for it in their next collective. The callbacks that
 communicate (`BroadcastGlobalVariablesCallback`, `MetricAverageCallback`,
-`AgreedStoppingCallback`) therefore check that all ranks are at the same
+`AgreedStoppingCallback`, `BackupAndRestore`) therefore check that all ranks are at the same
 point, with one small allreduce at the start of training, at the start of
 each step (before the step's own collectives), at the end of each epoch and
 at the end of training. Together they check each point once: one small
@@ -46,6 +48,7 @@ rank they do nothing.
 """
 
 from keras_ring.callbacks._agreed_stopping_callback import AgreedStoppingCallback
+from keras_ring.callbacks._backup_and_restore import BackupAndRestore
 from keras_ring.callbacks._best_model_checkpoint import BestModelCheckpoint
 from keras_ring.callbacks._broadcast_global_variables_callback import (
     BroadcastGlobalVariablesCallback,
@@ -58,6 +61,7 @@ from keras_ring.callbacks._rank_zero_only import rank_zero_only
 
 __all__ = [
     "AgreedStoppingCallback",
+    "BackupAndRestore",
     "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "LearningRateScheduleCallback",

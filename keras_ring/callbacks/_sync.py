@@ -32,12 +32,13 @@ from keras_ring._reduce_ops import Max
 # Points in `fit`.
 TRAIN_BEGIN, BATCH_BEGIN, BATCH_END, EPOCH_END, TRAIN_END, TEST_END = range(1, 7)
 # Who exchanges: names each rank's position when ranks disagree.
-GUARD, VARIABLES, METRICS, STOP = range(4)
+GUARD, VARIABLES, METRICS, STOP, BACKUP = range(5)
 _KINDS = {
     GUARD: "keras-ring's step guard",
     VARIABLES: "BroadcastGlobalVariablesCallback",
     METRICS: "MetricAverageCallback",
     STOP: "AgreedStoppingCallback",
+    BACKUP: "BackupAndRestore",
 }
 _POSITION = 4  # point, epoch, step, kind: must agree on every rank
 _VALUES = 3

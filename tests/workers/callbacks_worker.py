@@ -11,10 +11,12 @@ once, and the launcher then stops the other ranks.
 """
 
 import contextlib
+import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import shutil
 import sys
 import tempfile
 import time
@@ -372,12 +374,237 @@ def scenario_guard(out_dir):
     )
 
 
+# BackupAndRestore: E epochs of STEPS batches per rank, interrupted on every
+# rank and resumed. Gradients are averaged (DistributedOptimizer) and the model
+# has no per-rank state (no batch normalisation), so every rank holds the same
+# state throughout and the resumed runs must end where the uninterrupted run does.
+BACKUP_EPOCHS, BACKUP_STEPS = 4, 4
+BACKUP_FILES = ["latest.weights.h5", "training_metadata.json"]
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Raises at the end of `epoch`, or of batch `batch` in it, as Keras's tests do."""
+
+    def __init__(self, epoch, batch=None):
+        super().__init__()
+        self.at, self.batch, self.epoch = epoch, batch, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (self.at, self.batch):
+            raise RuntimeError("interrupted")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.batch is None and epoch == self.at:
+            raise RuntimeError("interrupted")
+
+
+def backup_model(seed, lazy=False):
+    """A fresh model and optimizer, as a restarted job builds them: initialised per rank."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+    model = keras.Sequential(layers if lazy else [keras.Input((3,)), *layers])
+    model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    return model
+
+
+def backup_fit(model, callbacks, interrupt=None):
+    """Fits on this rank's data; returns the number of epochs run, or None when interrupted."""
+    x, y = data(BACKUP_STEPS, seed=RANK)
+    seen = Recorder()
+    extra = [interrupt] if interrupt else []
+    try:
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=BACKUP_EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=[*callbacks, seen, *extra],
+        )
+    except RuntimeError as e:
+        if str(e) != "interrupted":
+            raise
+        return None
+    return len(seen.logs)
+
+
+def backup_state(model):
+    return state(model.weights + model.optimizer.variables)
+
+
+def check_same_on_every_rank(values, tag):
+    rows = gathered(values, tag)
+    # Equal up to float rounding (bitwise in the runs here).
+    check(np.allclose(rows, rows[0], rtol=1e-6, atol=1e-7), f"{tag}: ranks differ")
+
+
+def scenario_backup_and_restore(out_dir):
+    """kr.callbacks.BackupAndRestore with one backup_dir for every rank: written by rank 0 only,
+    restored on every rank through collectives, resumed where the uninterrupted run goes."""
+    interrupted_at = 1  # the interrupted runs end with epoch 2 of 4
+    model = backup_model(100 + RANK)
+    backup_fit(model, [kr.callbacks.BroadcastGlobalVariablesCallback(0)])
+    reference = backup_state(model)
+    check_same_on_every_rank(reference, "backup.reference")
+
+    def check_resumed(tag, model, epochs_run, expected=reference, epochs=None):
+        epochs = BACKUP_EPOCHS - interrupted_at - 1 if epochs is None else epochs
+        check(epochs_run == epochs, f"{tag}: resumed for {epochs_run} epochs, not {epochs}")
+        final = backup_state(model)
+        # Equal up to float rounding (the same ops on the same values).
+        check(np.allclose(final, expected, rtol=1e-6, atol=1e-7), f"{tag}: not the reference")
+        check_same_on_every_rank(final, f"{tag}.final")
+
+    def check_backup(tag, backup_dir, epoch):
+        """After an interruption: the backup of rank 0, in backup_dir (seen from every rank)."""
+        kr.barrier()
+        files = sorted(os.listdir(backup_dir)) if os.path.isdir(backup_dir) else None
+        check(files == BACKUP_FILES, f"{tag}: backup files {files}")
+        if files:
+            with open(os.path.join(backup_dir, "training_metadata.json")) as f:
+                recorded = json.load(f)["epoch"]
+            check(recorded == epoch, f"{tag}: the backup records epoch {recorded}, not {epoch}")
+
+    def check_deleted(tag, backup_dir):
+        kr.barrier()
+        check(not os.path.exists(backup_dir), f"{tag}: {backup_dir} was not deleted")
+
+    orders = {
+        "broadcast first": lambda d: [
+            kr.callbacks.BroadcastGlobalVariablesCallback(0),
+            kr.callbacks.BackupAndRestore(d),
+        ],
+        "backup first": lambda d: [
+            kr.callbacks.BackupAndRestore(d),
+            kr.callbacks.BroadcastGlobalVariablesCallback(0),
+        ],
+    }
+    # A restarted job: fresh models initialised per rank, fresh callbacks, one
+    # shared directory; the model built (Input) or lazily. The broadcast of
+    # the root's fresh weights comes first (in a lazily built model, from the
+    # DistributedOptimizer as it is built), so a restore on rank 0 alone would
+    # leave the other ranks with those fresh weights.
+    cases = [("broadcast first", False), ("broadcast first", True)]
+    for order, lazy in cases:
+        tag = f"backup.{order}{' lazy' if lazy else ''}"
+        backup_dir = os.path.join(out_dir, "backup_shared")
+        callbacks = orders[order]
+        ran = backup_fit(
+            backup_model(100 + RANK, lazy), callbacks(backup_dir), Interrupt(interrupted_at)
+        )
+        check(ran is None, f"{tag}: the first fit was not interrupted")
+        check_backup(tag, backup_dir, interrupted_at + 1)
+        resumed = backup_model(200 + RANK, lazy)
+        check_resumed(tag, resumed, backup_fit(resumed, callbacks(backup_dir)))
+        check_deleted(tag, backup_dir)
+
+    # One directory per rank, the other order: only rank 0's directory is
+    # written, and the other ranks, whose directories never exist, still
+    # resume from rank 0's state.
+    tag = "backup.per-rank dirs, backup first"
+    own_dir = os.path.join(out_dir, f"backup_rank{RANK}")
+    ran = backup_fit(
+        backup_model(100 + RANK), orders["backup first"](own_dir), Interrupt(interrupted_at)
+    )
+    check(ran is None, f"{tag}: the first fit was not interrupted")
+    kr.barrier()
+    written = sorted(p for p in os.listdir(out_dir) if p.startswith("backup"))
+    check(written == ["backup_rank0"], f"{tag}: directories written: {written}")
+    resumed = backup_model(200 + RANK)
+    check_resumed(tag, resumed, backup_fit(resumed, orders["backup first"](own_dir)))
+    check_deleted(tag, os.path.join(out_dir, "backup_rank0"))
+
+    # The same model and the same callback fit again, as in Keras's tests.
+    tag = "backup.same callback"
+    backup_dir = os.path.join(out_dir, "backup_shared")
+    model = backup_model(100 + RANK)
+    callbacks = orders["broadcast first"](backup_dir)
+    check(
+        backup_fit(model, callbacks, Interrupt(interrupted_at)) is None, f"{tag}: not interrupted"
+    )
+    check_resumed(tag, model, backup_fit(model, callbacks))
+    check_deleted(tag, backup_dir)
+
+    # save_freq in batches, interrupted within an epoch: resumed as Keras's own
+    # callback resumes with one directory per rank (at the start of the epoch
+    # of the last backup, from the weights of that backup).
+    save_freq = 3
+    interrupt = Interrupt(interrupted_at, batch=2)  # the last backup: epoch 1, batch 1
+    keras_dir = tempfile.mkdtemp(prefix=f"keras_backup_rank{RANK}_")
+    broadcast = kr.callbacks.BroadcastGlobalVariablesCallback(0)
+    keras_backup = keras.callbacks.BackupAndRestore(keras_dir, save_freq=save_freq)
+    check(
+        backup_fit(backup_model(100 + RANK), [broadcast, keras_backup], interrupt) is None,
+        "backup.keras: not interrupted",
+    )
+    keras_model = backup_model(200 + RANK)
+    keras_backup = keras.callbacks.BackupAndRestore(keras_dir, save_freq=save_freq)
+    keras_epochs = backup_fit(keras_model, [broadcast, keras_backup])
+    check(keras_epochs == BACKUP_EPOCHS - interrupted_at, f"backup.keras: {keras_epochs} epochs")
+
+    tag = "backup.save_freq"
+    backup_dir = os.path.join(out_dir, "backup_shared")
+    ours = kr.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq)
+    check(
+        backup_fit(backup_model(100 + RANK), [broadcast, ours], interrupt) is None,
+        f"{tag}: not interrupted",
+    )
+    check_backup(tag, backup_dir, interrupted_at)
+    resumed = backup_model(200 + RANK)
+    ours = kr.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq)
+    check_resumed(
+        tag,
+        resumed,
+        backup_fit(resumed, [ours]),
+        expected=backup_state(keras_model),
+        epochs=keras_epochs,
+    )
+    check_deleted(tag, backup_dir)
+
+    # A rank without the callback: an error on every rank, naming it, not a hang.
+    callbacks = [kr.callbacks.BroadcastGlobalVariablesCallback(0)]
+    if RANK == 0:
+        callbacks.insert(0, kr.callbacks.BackupAndRestore(backup_dir))
+    expect_error(
+        "backup on rank 0 only",
+        lambda: backup_fit(backup_model(100 + RANK), callbacks),
+        "out of step",
+        "rank 0 is starting training (in BackupAndRestore)",
+        "rank 1 is starting training (in BroadcastGlobalVariablesCallback)",
+    )
+
+    # A backup that rank 0 cannot read: rank 0's error on rank 0, named on the others.
+    kr.barrier()
+    if RANK == 0:
+        os.makedirs(backup_dir)
+        with open(os.path.join(backup_dir, "latest.weights.h5"), "wb") as f:
+            f.write(b"corrupted")
+    kr.barrier()
+    try:
+        backup_fit(backup_model(100 + RANK), [kr.callbacks.BackupAndRestore(backup_dir)])
+    except (OSError, RuntimeError) as e:
+        expected = OSError if RANK == 0 else RuntimeError
+        check(isinstance(e, expected), f"backup.corrupted: {type(e).__name__}: {e}")
+        if RANK:
+            check("rank 0 could not restore the backup" in str(e), f"backup.corrupted: {e}")
+    else:
+        check(False, "backup.corrupted: fit() did not raise")
+    kr.barrier()
+    if RANK == 0:
+        shutil.rmtree(backup_dir)
+
+
 SCENARIOS = {
     "broadcast": scenario_broadcast,
     "metric_average": scenario_metric_average,
     "agreed_stopping": scenario_agreed_stopping,
     "rank_zero_files": scenario_rank_zero_files,
     "guard": scenario_guard,
+    "backup_and_restore": scenario_backup_and_restore,
 }
 
 
