@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from workers.interrupt_callback import Interrupt
 
 import keras_ring as kr
 from keras_ring import _basics
@@ -392,25 +393,6 @@ def test_rank_zero_only_refuses_what_must_run_everywhere():
 # BackupAndRestore with one rank: Keras's callback.
 
 BACKUP_EPOCHS = 4
-
-
-class Interrupt(keras.callbacks.Callback):
-    """Raises at the end of `epoch`, or of batch `batch` in it, as Keras's tests do."""
-
-    def __init__(self, epoch, batch=None):
-        super().__init__()
-        self.at, self.batch, self.epoch = epoch, batch, None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == (self.at, self.batch):
-            raise RuntimeError("interrupted")
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.batch is None and epoch == self.at:
-            raise RuntimeError("interrupted")
 
 
 def backup_model(seed=0, lazy=False):

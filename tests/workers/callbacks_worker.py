@@ -30,6 +30,8 @@ import tensorflow as tf
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
+from interrupt_callback import Interrupt  # noqa: E402
+
 import keras_ring as kr  # noqa: E402
 
 BATCH = 8
@@ -380,25 +382,6 @@ def scenario_guard(out_dir):
 # state throughout and the resumed runs must end where the uninterrupted run does.
 BACKUP_EPOCHS, BACKUP_STEPS = 4, 4
 BACKUP_FILES = ["latest.weights.h5", "training_metadata.json"]
-
-
-class Interrupt(keras.callbacks.Callback):
-    """Raises at the end of `epoch`, or of batch `batch` in it, as Keras's tests do."""
-
-    def __init__(self, epoch, batch=None):
-        super().__init__()
-        self.at, self.batch, self.epoch = epoch, batch, None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == (self.at, self.batch):
-            raise RuntimeError("interrupted")
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.batch is None and epoch == self.at:
-            raise RuntimeError("interrupted")
 
 
 def backup_model(seed, lazy=False):
