@@ -1130,6 +1130,15 @@ void Engine::Execute(ResponseList& list) {
         const std::string& name = resp.names[i];
         auto it = set.pending.find(name);
         if (it == set.pending.end() && !resp.error.empty()) continue;  // stalled elsewhere
+        // Stalled without this rank: the request of this name it has here
+        // reached the coordinator after the decision (or is still on its
+        // way), which waits on it as a new one; failing it here would leave
+        // the coordinator pairing it with another rank's next request of
+        // the name, run with this rank's next buffer.
+        if (!resp.error.empty() && !resp.rows.empty() &&
+            (size_t(set.rank) >= resp.rows.size() || !resp.rows[set.rank])) {
+          continue;
+        }
         if (it == set.pending.end() && set.joined && resp.send_metas) {
           const TensorMeta& meta = resp.metas[i];
           if (!meta.members) {

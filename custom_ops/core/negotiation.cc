@@ -704,6 +704,11 @@ void Coordinator::FailStalled(Clock::time_point now, Clock::duration fail_after,
                  "unknown length that gives the ranks different numbers of batches) leaves "
                  "the others waiting.";
     resp.status = KR_ABORTED;
+    // Only the requests the table holds fail: a missing rank may submit the
+    // name (or have it on its way here) before the error reaches it, and
+    // that request starts a new entry here, so it must stay pending there.
+    const Entry& e = table_[name];
+    for (int r = 0; r < size_; ++r) resp.rows.push_back(e.present[r] ? 1 : 0);
     out->push_back(std::move(resp));
     table_.erase(name);
   }

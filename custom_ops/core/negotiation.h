@@ -83,7 +83,10 @@ struct Response {
   std::string error;                 // empty when the ranks agree
   kr_status status = KR_OK;          // KR_INVALID_ARGUMENT (disagreement), KR_ABORTED (stall)
   // allgather: each rank's first dimension; alltoall: rows[i * size + j] is
-  // the number of rows rank i sends to rank j.
+  // the number of rows rank i sends to rank j; a stalled name's error:
+  // rows[r] is 1 if rank r had submitted it (its request fails), 0 if not
+  // (a request of that name it makes, or has made, since is a new one,
+  // which the coordinator waits on afresh and must not fail).
   std::vector<int64_t> rows;
 
   // Parallel to names: the first submitting rank's view. Sent only when

@@ -148,7 +148,15 @@ KR_TEST(StallsAreReportedOnceThenFailedNamingTheMissingRanks) {
   KR_EXPECT_EQ(out.size(), 1u);
   KR_EXPECT_EQ(out[0].status, KR_ABORTED);
   KR_EXPECT(out[0].error.find("waiting 200 s for ranks [1]") != std::string::npos);
+  // It fails the requests of ranks 0 and 2 only: one that rank 1 makes now is a new one.
+  KR_EXPECT(out[0].rows == std::vector<int64_t>({1, 0, 1}));
   KR_EXPECT(!c.HasWaiting());
+  out.clear();
+  c.Add(1, Allreduce("late", {4}), &out, t0 + seconds(201));
+  KR_EXPECT(out.empty() && c.HasWaiting());
+  c.Add(0, Allreduce("late", {4}), &out, t0 + seconds(202));
+  c.Add(2, Allreduce("late", {4}), &out, t0 + seconds(202));
+  KR_EXPECT(out.size() == 1u && out[0].error.empty());
 }
 
 KR_TEST(WireFormatRoundTrips) {
@@ -383,6 +391,7 @@ KR_TEST(NamesWaitingByIdMoveToTheTableWhenTheyNeedItsChecks) {
     KR_EXPECT_EQ(out.size(), 2u);
     KR_EXPECT(out[0].names[0] == "b" && out[0].error.empty());
     KR_EXPECT(out[1].names[0] == "a" && out[1].status == KR_ABORTED);
+    KR_EXPECT(out[1].rows == std::vector<int64_t>({1, 0, 1}));  // sent by id by ranks 0 and 2
     KR_EXPECT(!c.HasWaiting());
     // Only stall checks that are due move names.
     out.clear();

@@ -678,6 +678,58 @@ def test_threads(rank, size):
             check(f"thr.{t}.{i}", results[f"thr.{t}.{i}"], want, exact=True)
 
 
+def test_late_rank_after_stall(rank, size):
+    """Rank 1 submits "late" only after the others' request of that name has failed by the
+    stall shutdown, as they submit it again: rank 1's request is a new one, which must pair
+    with their retry, though the stall's error reaches rank 1 after it was made. (It used to
+    fail there with that error while the coordinator kept it waiting, so the name's next
+    requests paired with the wrong ones: "scheduled tensor 'late', which this rank has not
+    submitted", or, run with different buffers, "Message truncated".)"""
+    saved = {k: os.environ.get(k)
+             for k in ("KERAS_RING_STALL_CHECK_TIME", "KERAS_RING_STALL_SHUTDOWN_TIME")}
+    kr.shutdown()
+    kr.init(stall_check_time=0, stall_shutdown_time=1)
+    try:
+        # A moment shared by the ranks (one host's clock): the retry and the late request go
+        # then, a second after the stall shutdown time has passed.
+        start = submit(_engine.ALLREDUCE, np.array([time.time()]), "late.clock",
+                       op=OPS["Max"]).wait()[0]
+        then = start + 2.0
+        x = np.full(8, rank + 1, np.float32)
+        h = None
+        if rank != 1:
+            try:
+                submit(_engine.ALLREDUCE, x, "late", op=OPS["Sum"]).wait()
+                # Rank 1's request came first (a very busy machine): nothing to test.
+                print(f"rank {rank}: test_late_rank_after_stall: rank 1 was not late", flush=True)
+            except RuntimeError as e:
+                if "stalled" not in str(e) or "'late'" not in str(e):
+                    fail(f"late: unexpected error {e}")
+                time.sleep(max(0.0, then - time.time()))
+                h = submit(_engine.ALLREDUCE, x, "late", op=OPS["Sum"])
+        else:
+            time.sleep(max(0.0, then - time.time()))
+            h = submit(_engine.ALLREDUCE, x, "late", op=OPS["Sum"])
+        if h is not None:
+            try:
+                got = h.wait()
+            except RuntimeError as e:
+                fail(f"late: a request made after the stall failed: {e}")
+            check("late", got, np.full(8, size * (size + 1) / 2), exact=True)
+        # The name's next requests pair with each other (544 bytes where the stalled had 32).
+        y = np.full(136, rank + 1, np.float32)
+        got = submit(_engine.ALLREDUCE, y, "late", op=OPS["Sum"]).wait()
+        check("late again", got, np.full(136, size * (size + 1) / 2), exact=True)
+    finally:
+        kr.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        kr.init()
+
+
 def test_restart(rank, size):
     # A request no other rank submits is pending when shutdown() is called: it fails, naming
     # this rank's shutdown or the rank whose shutdown came first.
@@ -711,7 +763,8 @@ def main():
     for test in (test_allreduce, test_allgather, test_reducescatter, test_alltoall,
                  test_broadcast, test_out_of_order, test_fusion, test_compression, test_transport,
                  test_objects, test_mismatch, test_duplicate_name, test_cache, test_join,
-                 test_run, test_prepared_run, test_groups, test_threads, test_restart):
+                 test_run, test_prepared_run, test_groups, test_threads,
+                 test_late_rank_after_stall, test_restart):
         test(rank, size)
         print(f"rank {rank}: {test.__name__} ok", flush=True)
 

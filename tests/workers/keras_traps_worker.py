@@ -58,8 +58,13 @@ def unknown_length(out_dir):
         model.fit(dataset, epochs=2, verbose=0,
                   callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)])
     except Exception as e:  # noqa: BLE001 -- what the user sees is what is tested
-        return f"raised {type(e).__name__}: {' '.join(str(e).split())}"
-    return "FAILED: fit returned"
+        outcome = f"raised {type(e).__name__}: {' '.join(str(e).split())}"
+    else:
+        return "FAILED: fit returned"
+    # Each rank's stall fails on its own clock: meet before any rank exits (which would
+    # fail the others' requests with its shutdown instead). The engine works after a stall.
+    kr.barrier()
+    return outcome
 
 
 class RankMetric(keras.callbacks.Callback):
