@@ -52,9 +52,9 @@ namespace {
 
 void CheckReduction(DataType dtype, ReduceOp op, const void* buffer, size_t count,
                     const char* what) {
-  KR_CHECK(IsValidDataType(static_cast<int>(dtype)),
+  KR_CHECK(IsReducibleDataType(static_cast<int>(dtype)),
            std::string(what) + " dtype " + std::to_string(static_cast<int>(dtype)) +
-               " is not a kr_dtype");
+               " is not one that reductions take");
   KR_CHECK(IsValidReduceOp(static_cast<int>(op)),
            std::string(what) + " op " + std::to_string(static_cast<int>(op)) +
                " is not a kr_reduce_op");

@@ -154,10 +154,11 @@ kr_status kr_reduce_into(void* dst, const void* src, size_t count, kr_dtype dtyp
                                    "Received: kernels=") + kernels, err, err_len);
     }
   }
-  if (!keras_ring::IsValidDataType(dtype) || !keras_ring::IsValidReduceOp(op) ||
+  if (!keras_ring::IsReducibleDataType(dtype) || !keras_ring::IsValidReduceOp(op) ||
       op == KR_AVERAGE) {
     return WithError(KR_INVALID_ARGUMENT,
-                     "kr_reduce_into: dtype must be a kr_dtype and op sum, min, max or product. "
+                     "kr_reduce_into: dtype must be a kr_dtype that reductions take (float16 to "
+                     "int64) and op sum, min, max or product. "
                      "Received: dtype=" + std::to_string(dtype) + ", op=" + std::to_string(op),
                      err, err_len);
   }

@@ -27,6 +27,11 @@ typedef enum {
   KR_UINT8 = 5,
   KR_INT32 = 6,
   KR_INT64 = 7,
+  /* Allgather, broadcast and alltoall, which move bytes, take these too;
+   * allreduce and reducescatter refuse them. */
+  KR_INT16 = 8,
+  KR_UINT16 = 9,
+  KR_BOOL = 10, /* one byte */
 } kr_dtype;
 
 /* Numbering as horovod's ReduceOp (2 was Adasum, which we do not offer). */
@@ -54,10 +59,13 @@ typedef enum {
 
 typedef enum {
   KR_OK = 0,
-  KR_INVALID_ARGUMENT = 1,   /* bad request, or ranks disagree on it */
+  KR_INVALID_ARGUMENT = 1,   /* bad request, here or on another rank of the collective */
   KR_NOT_INITIALIZED = 2,    /* init() not called, or shut down */
   KR_ABORTED = 3,            /* shutdown with the request still pending */
   KR_INTERNAL = 4,           /* transport or engine failure */
+  /* Ranks disagree on the request (collective, dtype, shape, op, root...), or
+   * it cannot run while some ranks have joined. */
+  KR_FAILED_PRECONDITION = 5,
 } kr_status;
 
 #define KR_DEVICE_CPU (-1)
@@ -237,7 +245,8 @@ KR_API const char* kr_mpi_library_version(void);
 KR_API const char* kr_cpu_kernels(void);
 KR_API int kr_cpu_supports_kernels(const char* kernels);
 /* For tests and benchmarks; needs no kr_init. dst[i] = dst[i] (op) src[i] for
- * count elements (op is not KR_AVERAGE), with the named kernels, or with
+ * count elements (op is not KR_AVERAGE; dtype one that reductions take, up
+ * to KR_INT64), with the named kernels, or with
  * those in use if kernels is NULL. */
 KR_API kr_status kr_reduce_into(void* dst, const void* src, size_t count, kr_dtype dtype,
                                 kr_reduce_op op, const char* kernels, char* err, size_t err_len);

@@ -6,6 +6,8 @@ size_t DataTypeSize(DataType dtype) {
   switch (dtype) {
     case DataType::kFloat16:
     case DataType::kBFloat16:
+    case DataType::kInt16:
+    case DataType::kUInt16:
       return 2;
     case DataType::kFloat32:
     case DataType::kInt32:
@@ -15,6 +17,7 @@ size_t DataTypeSize(DataType dtype) {
       return 8;
     case DataType::kInt8:
     case DataType::kUInt8:
+    case DataType::kBool:
       return 1;
   }
   throw EngineError("keras-ring internal: DataTypeSize of invalid dtype " +
@@ -33,6 +36,9 @@ const char* DataTypeName(DataType dtype) {
     case DataType::kUInt8: return "uint8";
     case DataType::kInt32: return "int32";
     case DataType::kInt64: return "int64";
+    case DataType::kInt16: return "int16";
+    case DataType::kUInt16: return "uint16";
+    case DataType::kBool: return "bool";
   }
   return "invalid dtype";
 }
@@ -62,7 +68,19 @@ const char* CollectiveName(Collective c) {
   return "invalid collective";
 }
 
-bool IsValidDataType(int dtype) { return dtype >= KR_FLOAT16 && dtype <= KR_INT64; }
+bool IsValidDataType(int dtype) { return dtype >= KR_FLOAT16 && dtype <= KR_BOOL; }
+
+bool IsReducibleDataType(int dtype) { return dtype >= 0 && dtype < kReducibleDataTypes; }
+
+std::string NotReducibleMessage(Collective c, DataType dtype) {
+  std::string reducible;
+  for (int d = 0; d < kReducibleDataTypes; ++d) {
+    reducible += std::string(d ? ", " : "") + DataTypeName(static_cast<DataType>(d));
+  }
+  return std::string(CollectiveName(c)) + " does not take " + DataTypeName(dtype) +
+         ": reductions take " + reducible + "; allgather, broadcast and alltoall take " +
+         DataTypeName(dtype) + " too";
+}
 
 bool IsValidReduceOp(int op) {
   switch (op) {

@@ -20,7 +20,14 @@ enum class DataType : int {
   kUInt8 = KR_UINT8,
   kInt32 = KR_INT32,
   kInt64 = KR_INT64,
+  kInt16 = KR_INT16,
+  kUInt16 = KR_UINT16,
+  kBool = KR_BOOL,
 };
+
+// The dtypes that allreduce and reducescatter take are the first ones, up to
+// kInt64: the reduction kernels' tables have a row for each.
+constexpr int kReducibleDataTypes = KR_INT64 + 1;
 
 // Values follow horovod's ReduceOp numbering so that scripts passing raw ints
 // keep their meaning.
@@ -51,6 +58,9 @@ const char* DataTypeName(DataType dtype);
 const char* ReduceOpName(ReduceOp op);
 const char* CollectiveName(Collective c);
 bool IsValidDataType(int dtype);
+bool IsReducibleDataType(int dtype);
+// "allreduce does not take int16: ...", saying which dtypes reductions take.
+std::string NotReducibleMessage(Collective c, DataType dtype);
 bool IsValidReduceOp(int op);
 bool IsValidCollective(int c);
 

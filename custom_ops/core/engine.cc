@@ -459,6 +459,7 @@ kr_status Engine::Prepare(const kr_request& r, Request* out) {
   const bool allocates = c == Collective::kAllgather || c == Collective::kReducescatter ||
                          c == Collective::kAlltoall;
   if (c == Collective::kAllreduce || c == Collective::kReducescatter) {
+    if (!IsReducibleDataType(r.dtype)) return bad(NotReducibleMessage(c, req.meta.dtype));
     if (!IsValidReduceOp(r.reduce_op)) return bad("unknown reduce op " + std::to_string(r.reduce_op));
     req.meta.op = static_cast<ReduceOp>(r.reduce_op);
     req.meta.prescale_factor = r.prescale_factor;

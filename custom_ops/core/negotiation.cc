@@ -398,9 +398,15 @@ void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
   const bool everyone = e.count == size_;
   resp.send_metas = !everyone;
   // Every rank sent it by id: the descriptions were agreed when cached.
-  resp.error = e.by_id == size_ ? "" : Disagreement(name, e);
+  if (e.by_id != size_) {
+    resp.error = InvalidOnSomeRank(name, e);
+    if (!resp.error.empty()) {
+      resp.status = KR_INVALID_ARGUMENT;
+    } else if (!(resp.error = Disagreement(name, e)).empty()) {
+      resp.status = KR_FAILED_PRECONDITION;
+    }
+  }
   if (!resp.error.empty()) {
-    resp.status = KR_INVALID_ARGUMENT;
     if (first.collective == Collective::kJoin) {  // the join failed: nobody is joined
       std::fill(joined_.begin(), joined_.end(), false);
     }
@@ -446,9 +452,7 @@ void Coordinator::Finish(const std::string& name, std::vector<Response>* out) {
   table_.erase(name);
 }
 
-std::string Coordinator::Disagreement(const std::string& name, const Entry& e) const {
-  int first_rank = std::find(e.present.begin(), e.present.end(), true) - e.present.begin();
-  const TensorMeta& first = e.metas[first_rank];
+std::string Coordinator::InvalidOnSomeRank(const std::string& name, const Entry& e) const {
   // Built only when there is something to say: this runs for every new name.
   std::string invalid;
   for (int r = 0; r < size_; ++r) {
@@ -457,7 +461,12 @@ std::string Coordinator::Disagreement(const std::string& name, const Entry& e) c
                                 : std::string("; ")) +
                "rank " + std::to_string(WorldRank(r)) + ": " + e.metas[r].error;
   }
-  if (!invalid.empty()) return invalid;
+  return invalid;
+}
+
+std::string Coordinator::Disagreement(const std::string& name, const Entry& e) const {
+  int first_rank = std::find(e.present.begin(), e.present.end(), true) - e.present.begin();
+  const TensorMeta& first = e.metas[first_rank];
   bool group = false;
   for (int r = 0; r < size_; ++r) group = group || (e.present[r] && e.metas[r].members);
   bool agree = true;

@@ -81,7 +81,9 @@ struct Response {
   std::vector<int32_t> cache_ids;
   bool cached = false;
   std::string error;                 // empty when the ranks agree
-  kr_status status = KR_OK;          // KR_INVALID_ARGUMENT (disagreement), KR_ABORTED (stall)
+  // KR_INVALID_ARGUMENT (a request invalid on some rank), KR_FAILED_PRECONDITION
+  // (ranks disagree, or joined ranks cannot take part), KR_ABORTED (stall).
+  kr_status status = KR_OK;
   // allgather: each rank's first dimension; alltoall: rows[i * size + j] is
   // the number of rows rank i sends to rank j; a stalled name's error:
   // rows[r] is 1 if rank r had submitted it (its request fails), 0 if not
@@ -220,7 +222,11 @@ class Coordinator {
   std::pair<std::string, std::string> StallRanks(const Entry& e) const;
   // "ranks [0, 2] have been waiting 61 s for ranks [1] to submit tensor 'x' (...)".
   std::string Stall(const std::string& name, const Entry& e, Clock::time_point now) const;
-  // Empty when the present ranks agree, else the error.
+  // Empty unless some rank's request is invalid by itself (TensorMeta::error),
+  // else each such rank's error: a KR_INVALID_ARGUMENT.
+  std::string InvalidOnSomeRank(const std::string& name, const Entry& e) const;
+  // Empty when the present ranks agree and joined ranks can take part, else
+  // the error: a KR_FAILED_PRECONDITION.
   std::string Disagreement(const std::string& name, const Entry& e) const;
   // The same for a group: the ranks' members, one by one.
   std::string GroupDisagreement(const std::string& name, const Entry& e) const;

@@ -70,7 +70,8 @@ bool IsHalf(DataType dtype) {
 }
 
 std::string InvalidDtype(DataType dtype) {
-  return "keras-ring internal: invalid dtype " + std::to_string(static_cast<int>(dtype));
+  return "keras-ring internal: no kernels for dtype " +
+         std::to_string(static_cast<int>(dtype)) + " (" + DataTypeName(dtype) + ")";
 }
 
 }  // namespace
@@ -128,7 +129,7 @@ void UseKernelLevel(KernelLevel level) {
 namespace {
 
 void CheckReduction(DataType dtype, ReduceOp op) {
-  if (!IsValidDataType(static_cast<int>(dtype))) throw EngineError(InvalidDtype(dtype));
+  if (!IsReducibleDataType(static_cast<int>(dtype))) throw EngineError(InvalidDtype(dtype));
   if (op == ReduceOp::kAverage) {
     throw EngineError(
         "keras-ring internal: ReduceInto got op average; reduce with sum and post-scale by "
@@ -155,7 +156,7 @@ void ReduceInto(void* dst, const void* src, size_t count, DataType dtype, Reduce
 }
 
 void ScaleBuffer(void* buf, size_t count, DataType dtype, double factor, KernelLevel level) {
-  if (!IsValidDataType(static_cast<int>(dtype))) throw EngineError(InvalidDtype(dtype));
+  if (!IsReducibleDataType(static_cast<int>(dtype))) throw EngineError(InvalidDtype(dtype));
   if (factor == 1.0) return;
   KernelsFor(level).scale[static_cast<int>(dtype)](buf, count, factor);
 }

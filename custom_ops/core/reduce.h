@@ -1,4 +1,5 @@
-// Element-wise reduction, scaling and conversion kernels for every dtype.
+// Element-wise reduction, scaling and conversion kernels for every dtype that
+// reductions take (IsReducibleDataType).
 // Half types (float16, bfloat16) are computed in float32 and rounded once per
 // call.
 //

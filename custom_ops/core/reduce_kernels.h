@@ -26,9 +26,9 @@ struct KernelTable {
 
   // Indexed by the DataType and ReduceOp values; null for kAverage and for
   // values that name no op.
-  ReduceFn reduce[8][6];
-  ReduceToFn reduce_to[8][6];  // the same, into a third buffer
-  ScaleFn scale[8];
+  ReduceFn reduce[kReducibleDataTypes][6];
+  ReduceToFn reduce_to[kReducibleDataTypes][6];  // the same, into a third buffer
+  ScaleFn scale[kReducibleDataTypes];
   ToFloatFn half_to_float, bfloat16_to_float;
   FromFloatFn float_to_half, float_to_bfloat16;
 };

@@ -132,15 +132,24 @@ kr_dtype ToKrDtype(const py::dtype& dt) {
   if (kind == 'u' && size == 1) return KR_UINT8;
   if (kind == 'i' && size == 4) return KR_INT32;
   if (kind == 'i' && size == 8) return KR_INT64;
+  if (kind == 'i' && size == 2) return KR_INT16;
+  if (kind == 'u' && size == 2) return KR_UINT16;
+  if (kind == 'b' && size == 1) return KR_BOOL;
   const std::string name = py::str(dt.attr("name"));
   if (name == "bfloat16") return KR_BFLOAT16;
   throw py::type_error("keras-ring: unsupported dtype " + name +
                        "; supported: float16, bfloat16, float32, float64, int8, uint8, int32, "
-                       "int64. Received: dtype=" + name);
+                       "int64 and, by allgather, broadcast and alltoall only, int16, uint16, "
+                       "bool. Received: dtype=" + name);
 }
 
+// ValueError for a bad request and for ranks that disagree on one (Python has
+// no class of its own for the second; the TF ops raise InvalidArgumentError
+// and FailedPreconditionError); RuntimeError for the rest.
 void RaiseFor(kr_status status, const std::string& message) {
-  if (status == KR_INVALID_ARGUMENT) throw py::value_error(message);
+  if (status == KR_INVALID_ARGUMENT || status == KR_FAILED_PRECONDITION) {
+    throw py::value_error(message);
+  }
   throw std::runtime_error(message);
 }
 

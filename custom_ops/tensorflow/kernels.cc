@@ -34,6 +34,8 @@ absl::Status EngineStatus(kr_status status, const char* message) {
       return absl::OkStatus();
     case KR_INVALID_ARGUMENT:
       return absl::InvalidArgumentError(text);
+    case KR_FAILED_PRECONDITION:  // ranks disagree: tf.errors.FailedPreconditionError, as Horovod
+      return absl::FailedPreconditionError(text);
     case KR_NOT_INITIALIZED:
       return absl::FailedPreconditionError(text);
     case KR_ABORTED:
@@ -70,6 +72,15 @@ absl::Status EngineDtype(::tensorflow::DataType dtype, kr_dtype* out) {
       return absl::OkStatus();
     case ::tensorflow::DT_INT64:
       *out = KR_INT64;
+      return absl::OkStatus();
+    case ::tensorflow::DT_INT16:
+      *out = KR_INT16;
+      return absl::OkStatus();
+    case ::tensorflow::DT_UINT16:
+      *out = KR_UINT16;
+      return absl::OkStatus();
+    case ::tensorflow::DT_BOOL:
+      *out = KR_BOOL;
       return absl::OkStatus();
     default:
       return absl::InvalidArgumentError("keras-ring does not support dtype " +

@@ -2,7 +2,9 @@
 // and documentation. The kernels live in kernels.cc.
 //
 // Every op is stateful: a collective has effects on other processes, so TF
-// must neither prune, deduplicate nor constant-fold it.
+// must neither prune, deduplicate nor constant-fold it. The ops that move
+// bytes (allgather, broadcast, alltoall) take int16, uint16 and bool too; the
+// reductions do not.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -108,7 +110,7 @@ process_set_id: The process set to run in (0: every rank); ranks and sizes
 )doc");
 
 REGISTER_OP("KerasRingAllgather")
-    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, int16, uint16, bool}")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
@@ -130,7 +132,8 @@ process_set_id: The process set to run in (0: every rank); ranks and sizes
 )doc");
 
 REGISTER_OP("KerasRingGroupedAllgather")
-    .Attr("T: list({half, bfloat16, float, double, int8, uint8, int32, int64}) >= 1")
+    .Attr("T: list({half, bfloat16, float, double, int8, uint8, int32, int64, int16, uint16, "
+          "bool}) >= 1")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensors: T")
@@ -216,7 +219,7 @@ process_set_id: The process set to run in (0: every rank); ranks and sizes
 )doc");
 
 REGISTER_OP("KerasRingAlltoall")
-    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, int16, uint16, bool}")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
@@ -246,7 +249,7 @@ process_set_id: The process set to run in (0: every rank); ranks and sizes
 )doc");
 
 REGISTER_OP("KerasRingBroadcast")
-    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, int16, uint16, bool}")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")

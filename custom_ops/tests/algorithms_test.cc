@@ -415,8 +415,9 @@ KR_TEST(AlgorithmsRejectInvalidOptions) {
   a.count = 3;
   KR_EXPECT_THROW(keras_ring::RingAllreduce(*t, a), EngineError, "3 elements has a null buffer");
   a.buffer = x;
-  a.dtype = static_cast<DataType>(8);
-  KR_EXPECT_THROW(keras_ring::RingAllreduce(*t, a), EngineError, "dtype 8 is not a kr_dtype");
+  a.dtype = DataType::kInt16;
+  KR_EXPECT_THROW(keras_ring::RingAllreduce(*t, a), EngineError,
+                  "dtype 8 is not one that reductions take");
   a.dtype = DataType::kFloat32;
   a.op = static_cast<ReduceOp>(2);
   KR_EXPECT_THROW(keras_ring::RingAllreduce(*t, a), EngineError, "op 2 is not a kr_reduce_op");

@@ -206,12 +206,20 @@ KR_TEST(KernelsRejectAverageAndInvalidEnums) {
                   "average");
   KR_EXPECT_THROW(ReduceInto(&a, &b, 1, DataType::kFloat32, static_cast<ReduceOp>(2)),
                   EngineError, "invalid reduce op 2");
-  KR_EXPECT_THROW(ReduceInto(&a, &b, 1, static_cast<DataType>(9), ReduceOp::kSum), EngineError,
-                  "invalid dtype 9");
+  KR_EXPECT_THROW(ReduceInto(&a, &b, 1, static_cast<DataType>(12), ReduceOp::kSum), EngineError,
+                  "no kernels for dtype 12");
+  // Dtypes that only move: no kernels, an error instead of a read past the table.
+  for (DataType d : {DataType::kInt16, DataType::kUInt16, DataType::kBool}) {
+    KR_EXPECT_THROW(ReduceInto(&a, &b, 1, d, ReduceOp::kSum), EngineError,
+                    "no kernels for dtype " + std::to_string(static_cast<int>(d)));
+    KR_EXPECT_THROW(ReduceTo(&a, &a, &b, 1, d, ReduceOp::kMax), EngineError,
+                    DataTypeName(d));
+    KR_EXPECT_THROW(ScaleBuffer(&a, 1, d, 2.0), EngineError, DataTypeName(d));
+  }
   KR_EXPECT_THROW(ReduceTo(&a, &a, &b, 1, DataType::kFloat32, ReduceOp::kAverage), EngineError,
                   "average");
   KR_EXPECT_THROW(ScaleBuffer(&a, 1, static_cast<DataType>(-1), 2.0), EngineError,
-                  "invalid dtype -1");
+                  "no kernels for dtype -1");
 }
 
 KR_TEST(HalfKnownBitPatterns) {
@@ -578,7 +586,7 @@ KR_TEST(ConvertBufferRefusesOtherPairs) {
   KR_EXPECT_THROW(ConvertBuffer(&h, DataType::kBFloat16, &h, DataType::kFloat16, 1), EngineError,
                   "between float32 or float64 and float16 or bfloat16");
   KR_EXPECT_THROW(ConvertBuffer(&h, static_cast<DataType>(12), &f, DataType::kFloat32, 1),
-                  EngineError, "invalid dtype 12");
+                  EngineError, "no kernels for dtype 12");
 }
 
 }  // namespace

@@ -26,6 +26,8 @@ OPS = {name: getattr(kr, name) for name in ("Average", "Sum", "Min", "Max", "Pro
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64]
 if bfloat16 is not None:
     DTYPES.insert(1, bfloat16)
+# Moved unchanged by allgather, broadcast and alltoall; not reduced.
+MOVED_DTYPES = [np.int16, np.uint16, np.bool_]
 SIZES = [0, 1, 7, 1001]
 BIG = 4 * 1024 * 1024 + 3  # ~16 MiB of float32, not divisible by 2 or 3
 
@@ -33,6 +35,8 @@ BIG = 4 * 1024 * 1024 + 3  # ~16 MiB of float32, not divisible by 2 or 3
 def data(rank, n, dtype, op, seed):
     """Integer-valued inputs, so that Sum/Min/Max/Product are exact in every dtype."""
     rng = np.random.default_rng([seed, rank, n])
+    if dtype is np.bool_:
+        return rng.integers(0, 1, size=n, endpoint=True).astype(np.bool_)
     if np.issubdtype(np.dtype(dtype), np.integer):
         info = np.iinfo(dtype)
         return rng.integers(info.min, info.max, size=n, endpoint=True).astype(dtype)
@@ -119,7 +123,7 @@ def test_allreduce(rank, size):
 
 
 def test_allgather(rank, size):
-    for dtype in DTYPES:
+    for dtype in DTYPES + MOVED_DTYPES:
         for rows_of in (lambda r: 3, lambda r: r + 1, lambda r: 0 if r == 1 else 2 * r + 1):
             rows = [rows_of(r) for r in range(size)]
             parts = [data(r, rows[r] * 4, dtype, "Sum", 2).reshape(rows[r], 4)
@@ -127,10 +131,11 @@ def test_allgather(rank, size):
             name = f"ag.{np.dtype(dtype).name}.{rows}"
             got = submit(_engine.ALLGATHER, parts[rank], name).wait()
             check(name, got, np.concatenate(parts), exact=True)
-    big = data(rank, BIG + rank, np.float32, "Sum", 3)
-    got = submit(_engine.ALLGATHER, big, "ag.big").wait()
-    want = np.concatenate([data(r, BIG + r, np.float32, "Sum", 3) for r in range(size)])
-    check("ag.big", got, want, exact=True)
+    for dtype in (np.float32, np.int16):
+        big = data(rank, BIG + rank, dtype, "Sum", 3)
+        got = submit(_engine.ALLGATHER, big, "ag.big").wait()
+        want = np.concatenate([data(r, BIG + r, dtype, "Sum", 3) for r in range(size)])
+        check(f"ag.big {np.dtype(dtype).name}", got, want, exact=True)
 
 
 def split_rows(rows, size):
@@ -169,7 +174,7 @@ def test_alltoall(rank, size):
         return {"even": [2] * size, "uneven": [(r + 2 * j) % 4 for j in range(size)],
                 "zeros": [0] * size, "none": None}[case]
 
-    for dtype in DTYPES:
+    for dtype in DTYPES + MOVED_DTYPES:
         for case in ("even", "uneven", "zeros", "none"):
             def rows_of(r):
                 s = splits_of(r, case)
@@ -201,9 +206,9 @@ def test_alltoall(rank, size):
 
 
 def test_broadcast(rank, size):
-    for dtype in DTYPES:
+    for dtype in DTYPES + MOVED_DTYPES:
         for root in range(size):
-            for n in SIZES + ([BIG] if dtype == np.float32 else []):
+            for n in SIZES + ([BIG] if dtype in (np.float32, np.bool_) else []):
                 name = f"bc.{np.dtype(dtype).name}.{root}.{n}"
                 got = submit(_engine.BROADCAST, data(rank, n, dtype, "Sum", 4), name,
                              root_rank=root).wait()
@@ -367,6 +372,14 @@ def test_mismatch(rank, size):
                  "bad.splits", f"one split per rank ({size})")
     expect_error(submit(_engine.ALLTOALL, x, "bad.splits"), ValueError, "bad.splits",
                  "divisible", "Pass splits")
+    # Reductions refuse the dtypes that are only moved, on the rank that submits them.
+    for dtype in MOVED_DTYPES:
+        name = np.dtype(dtype).name
+        for collective in ("ALLREDUCE", "REDUCESCATTER"):
+            expect_error(submit(getattr(_engine, collective), np.zeros((2, 2), dtype), "moved",
+                                op=OPS["Sum"]), ValueError, "'moved'",
+                         f"{collective.lower()} does not take {name}: reductions take float16",
+                         f"allgather, broadcast and alltoall take {name} too")
     # The engine still works after errors.
     got = submit(_engine.ALLREDUCE, np.ones(3, np.float32), "after", op=OPS["Sum"]).wait()
     check("after", got, np.full(3, size), exact=True)

@@ -546,7 +546,8 @@ def check_order():
 
 
 def check_mismatch_errors():
-    """Disagreeing ranks fail on every rank, naming the tensor; later ops still work."""
+    """Disagreeing ranks fail on every rank with FailedPreconditionError (Horovod's class),
+    naming the tensor; later ops still work."""
     cases = {
         "mismatch.shape": lambda: kr.allreduce(tf.zeros([RANK + 1]), name="mismatch.shape"),
         "mismatch.op": lambda: kr.allreduce(
@@ -579,7 +580,7 @@ def check_mismatch_errors():
         try:
             call()
             failures.append(f"rank {RANK}: {name}: no error")
-        except tf.errors.InvalidArgumentError as e:
+        except tf.errors.FailedPreconditionError as e:
             if f"ranks disagree on tensor '{name}'" not in e.message:
                 failures.append(f"rank {RANK}: {name}: unexpected message: {e.message}")
     # A grouped allreduce is agreed as one unit: its tensor 1 disagrees, the whole op fails on
@@ -590,7 +591,7 @@ def check_mismatch_errors():
             run(mode, functools.partial(kr.grouped_allreduce, name=group),
                 [tf.zeros([2]), tf.zeros([3 + (RANK == 1)]), tf.zeros([4])])
             failures.append(f"rank {RANK}: {group}: no error")
-        except tf.errors.InvalidArgumentError as e:
+        except tf.errors.FailedPreconditionError as e:
             want = (f"ranks disagree on tensor 1 of group '{group}': rank 0 sent '{group}.1', "
                     f"allreduce of float32[3]")
             if want not in e.message or "rank 1 sent" not in e.message or "[4]" not in e.message:
