@@ -248,16 +248,16 @@ class GradientReducer:
             for key, indices in partition:
                 # Gathered rows (IndexedSlices) are not summed, so the
                 # collective does not compress them (Horovod does not either).
-                reduced = _ops.grouped_allreduce(
+                reduced = _ops._grouped_allreduce(
                     [grads[i] for i in indices],
-                    device_dense=self._device_dense,
-                    device_sparse=self._device_sparse,
-                    compression=self._compression,
-                    op=self._op,
-                    prescale_factor=self._prescale,
-                    postscale_factor=self._postscale,
-                    name=key,
-                    process_set=self._process_set,
+                    self._op,
+                    self._compression,
+                    self._prescale,
+                    self._postscale,
+                    _ops._tensor_name(key, ignore_name_scope=False),
+                    self._process_set,
+                    self._device_dense,
+                    self._device_sparse,
                 )
                 for i, r in zip(indices, reduced):
                     results[i] = r

@@ -21,7 +21,9 @@ from keras_ring._reduce_ops import Average, Max, Min, Product, Sum  # noqa: F401
 # The reductions that are linear: differentiable, and computable on
 # tf.IndexedSlices by gathering.
 _LINEAR_OPS = (Average, Sum)
-_SUPPORTED_DTYPES = (
+# The dtypes that reductions take; the collectives that only move bytes
+# (allgather, broadcast, alltoall) take _MOVED_DTYPES too, as Horovod's do.
+_REDUCED_DTYPES = (
     tf.float16,
     tf.bfloat16,
     tf.float32,
@@ -31,6 +33,7 @@ _SUPPORTED_DTYPES = (
     tf.int32,
     tf.int64,
 )
+_MOVED_DTYPES = (tf.int16, tf.uint16, tf.bool)
 
 
 def _reduce_op(op, average):
@@ -123,15 +126,24 @@ def _tensor_name(name, ignore_name_scope):
     return f"{scope}/{name}" if scope else name
 
 
-def _to_tensor(tensor, api):
+def _to_tensor(tensor, api, reduces=False):
     tensor = tf.convert_to_tensor(tensor)
-    if tensor.dtype not in _SUPPORTED_DTYPES:
-        supported = ", ".join(d.name for d in _SUPPORTED_DTYPES)
-        raise TypeError(
-            f"keras_ring.{api} does not support dtype {tensor.dtype.name}; it "
-            f"supports {supported}. Received: tensor with dtype={tensor.dtype.name}"
+    dtype = tensor.dtype
+    if dtype in _REDUCED_DTYPES or (dtype in _MOVED_DTYPES and not reduces):
+        return tensor
+    reduced = ", ".join(d.name for d in _REDUCED_DTYPES)
+    moved = ", ".join(d.name for d in _MOVED_DTYPES)
+    if dtype in _MOVED_DTYPES:
+        why = (
+            f"reductions take {reduced}; {moved} only allgather, broadcast and alltoall "
+            "(which move them unchanged)"
         )
-    return tensor
+    else:
+        why = f"it supports {reduced}" + ("" if reduces else f", {moved}")
+    raise TypeError(
+        f"keras_ring.{api} does not support dtype {dtype.name}: {why}. "
+        f"Received: tensor with dtype={dtype.name}"
+    )
 
 
 # Its first call may build the library; autograph must not try to convert
@@ -156,14 +168,14 @@ def _tensor_list(tensors, api):
         raise TypeError(f"{error}{tensors!r}") from None
 
 
-def _dense_input(tensor, api, arg="tensor"):
+def _dense_input(tensor, api, arg="tensor", reduces=False):
     if isinstance(tensor, tf.IndexedSlices):
         raise TypeError(
             f"keras_ring.{api} does not support tf.IndexedSlices; convert them with "
             f"tf.convert_to_tensor first. Received: {arg}=tf.IndexedSlices with values of "
             f"shape {tensor.values.shape}"
         )
-    return _to_tensor(tensor, api)
+    return _to_tensor(tensor, api, reduces)
 
 
 def _allgather(tensor, tensor_name, set_id=0):
@@ -172,24 +184,33 @@ def _allgather(tensor, tensor_name, set_id=0):
     )
 
 
-def _allreduce_indexed_slices(slices, op, scale, tensor_name, process_set):
-    # Ranks hold different indices, so the rows are gathered, not reduced;
-    # summing duplicate indices is left to whoever applies the slices.
+def _check_indexed_slices(op, prescale_factor, postscale_factor):
+    """Horovod's refusals for tf.IndexedSlices, before any collective runs."""
     if op not in _LINEAR_OPS:
-        raise ValueError(
+        raise NotImplementedError(
             "For tf.IndexedSlices (sparse gradients) keras-ring supports only "
             "op=keras_ring.Average or op=keras_ring.Sum. "
             f"Received: op={_REDUCE_OP_NAMES[op]}"
         )
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError(
+            "For tf.IndexedSlices (sparse gradients) keras-ring supports no "
+            "prescale_factor or postscale_factor. Received: "
+            f"prescale_factor={prescale_factor}, postscale_factor={postscale_factor}"
+        )
+
+
+def _allreduce_indexed_slices(slices, op, scale, tensor_name, process_set):
+    # Ranks hold different indices, so the rows are gathered, not reduced;
+    # summing duplicate indices is left to whoever applies the slices.
     set_id, set_size, _ = describe(process_set)
     values = _allgather(slices.values, tensor_name and f"{tensor_name}.values", set_id)
     indices = _allgather(slices.indices, tensor_name and f"{tensor_name}.indices", set_id)
     if op == Average:
-        scale /= set_size
-    if scale != 1.0:
-        # In float64 and truncated for integers, as the dense kernels scale.
-        values = tf.cast(tf.cast(values, tf.float64) * scale, values.dtype)
-    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+        # True division, as Horovod's: integer values become floating point, so
+        # that each rank's share stays whole until duplicates are summed.
+        values = values / tf.cast(set_size, values.dtype)
+    return tf.IndexedSlices(_scale(values, scale), indices, dense_shape=slices.dense_shape)
 
 
 def allreduce(
@@ -208,8 +229,9 @@ def allreduce(
     """Reduces a tensor over all ranks; every rank receives the result.
 
     The tensor must have the same shape and dtype on every rank. A
-    `tf.IndexedSlices` is gathered instead (values and indices of all ranks,
-    values divided by the number of ranks for `Average`).
+    `tf.IndexedSlices` is gathered instead, as Horovod gathers it: values and
+    indices of all ranks, for `Average` the values divided by the number of
+    ranks (with true division: integer values become floating point).
 
     Args:
         tensor: The tensor (or `tf.IndexedSlices`) to reduce.
@@ -235,7 +257,10 @@ def allreduce(
     Raises:
         ValueError: If keras-ring is not initialized or an argument is
             invalid.
-        TypeError: If the dtype is not supported.
+        TypeError: If the dtype is not supported (int16, uint16 and bool
+            are not reduced).
+        NotImplementedError: For a `tf.IndexedSlices` with an op other than
+            `Average` and `Sum`, or with a scale factor.
 
     Example:
 
@@ -251,14 +276,13 @@ def allreduce(
     )
     tensor_name = _tensor_name(name, ignore_name_scope)
     if isinstance(tensor, tf.IndexedSlices):
+        _check_indexed_slices(op, prescale_factor, postscale_factor)
         with tf.device(device_sparse):
-            return _allreduce_indexed_slices(
-                tensor, op, prescale_factor * postscale_factor, tensor_name, process_set
-            )
+            return _allreduce_indexed_slices(tensor, op, 1.0, tensor_name, process_set)
     with tf.device(device_dense):
         return _reduction(
             _library().keras_ring_allreduce,
-            [_to_tensor(tensor, "allreduce")],
+            [_to_tensor(tensor, "allreduce", reduces=True)],
             compressor,
             grouped=False,
             reduce_op=op,
@@ -317,7 +341,10 @@ def grouped_allreduce(
     Raises:
         ValueError: If keras-ring is not initialized or an argument is
             invalid.
-        TypeError: If a dtype is not supported.
+        TypeError: If a dtype is not supported (int16, uint16 and bool are
+            not reduced).
+        NotImplementedError: If `tensors` holds a `tf.IndexedSlices` and
+            `op` is not `Average` or `Sum`, or a scale factor is given.
 
     Example:
 
@@ -332,15 +359,45 @@ def grouped_allreduce(
     op, compressor, prescale_factor, postscale_factor = _reduce_args(
         op, average, compression, prescale_factor, postscale_factor
     )
-    set_id = describe(process_set)[0]
-    tensor_name = _tensor_name(name, ignore_name_scope)
     tensors = list(tensors)
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        _check_indexed_slices(op, prescale_factor, postscale_factor)
+    return _grouped_allreduce(
+        tensors,
+        op,
+        compressor,
+        prescale_factor,
+        postscale_factor,
+        _tensor_name(name, ignore_name_scope),
+        process_set,
+        device_dense,
+        device_sparse,
+    )
+
+
+def _grouped_allreduce(
+    tensors,
+    op,
+    compressor,
+    prescale_factor,
+    postscale_factor,
+    tensor_name,
+    process_set,
+    device_dense="",
+    device_sparse="",
+):
+    """`grouped_allreduce` of checked arguments, whose tf.IndexedSlices take scale factors too.
+
+    `DistributedOptimizer`'s `gradient_predivide_factor` scales its sparse
+    gradients as the dense ones (by a product of 1), where Horovod refuses.
+    """
+    set_id = describe(process_set)[0]
     results = [None] * len(tensors)
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     with tf.device(device_dense):
         # Converted before any collective starts, so a bad dtype fails alone.
-        dense_inputs = [_to_tensor(tensors[i], "grouped_allreduce") for i in dense]
+        dense_inputs = [_to_tensor(tensors[i], "grouped_allreduce", reduces=True) for i in dense]
     with tf.device(device_sparse):
         for i in sparse:
             # `.values`/`.indices` suffixes keep these apart from `<name>.<k>`.
@@ -559,7 +616,7 @@ def reducescatter(
     with tf.device(device_dense):
         return _reduction(
             _library().keras_ring_reducescatter,
-            [_dense_input(tensor, "reducescatter")],
+            [_dense_input(tensor, "reducescatter", reduces=True)],
             compressor,
             grouped=False,
             reduce_op=op,
@@ -633,7 +690,7 @@ def grouped_reducescatter(
     with tf.device(device_dense):
         # Converted before the collective starts, so a bad input fails alone.
         inputs = [
-            _dense_input(t, "grouped_reducescatter", f"tensors[{i}]")
+            _dense_input(t, "grouped_reducescatter", f"tensors[{i}]", reduces=True)
             for i, t in enumerate(tensors)
         ]
         if not inputs:

@@ -18,6 +18,8 @@ import keras_ring as kr
 from keras_ring import _ops, _tf_build
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64]
+# Moved unchanged by allgather, broadcast and alltoall; not reduced.
+MOVED_DTYPES = [tf.int16, tf.uint16, tf.bool]
 OPS = [kr.Average, kr.Sum, kr.Min, kr.Max, kr.Product]
 MODES = ["eager", "function"]
 
@@ -33,8 +35,10 @@ def run(mode, fn, *args):
 
 
 def sample(dtype, shape=(2, 3)):
-    start = 0 if dtype == tf.uint8 else -3
+    start = 0 if dtype in (tf.uint8, tf.uint16) else -3
     values = np.arange(start, start + np.prod(shape)).reshape(shape)
+    if dtype == tf.bool:
+        values = values % 3 == 0
     return tf.constant(values.astype(dtype.as_numpy_dtype))
 
 
@@ -99,17 +103,32 @@ def test_grouped_allreduce_mixed_dtypes(mode):
 def test_grouped_allreduce_with_indexed_slices(mode):
     def fn(dense, values, indices):
         slices = tf.IndexedSlices(values, indices, dense_shape=tf.constant([10, 2], tf.int64))
-        return kr.grouped_allreduce([dense, slices, dense], op=kr.Sum, postscale_factor=2.0)
+        return kr.grouped_allreduce([dense, slices, dense], op=kr.Sum)
 
     dense = tf.constant([1.0, 2.0])
     values = tf.constant([[1.0, 2.0], [3.0, 4.0]])
     indices = tf.constant([3, 7], tf.int64)
     first, slices, last = run(mode, fn, dense, values, indices)
-    assert_equal(first, dense * 2)
-    assert_equal(last, dense * 2)
+    assert_equal(first, dense)
+    assert_equal(last, dense)
     assert isinstance(slices, tf.IndexedSlices)
-    assert_equal(slices.values, values * 2)
+    assert_equal(slices.values, values)
     assert_equal(slices.indices, indices)
+
+
+def test_grouped_allreduce_scales_indexed_slices_for_the_optimizer_only():
+    # As Horovod, the API refuses scale factors with tf.IndexedSlices; the
+    # gradient reducer's predivide factor scales them as the dense tensors.
+    slices = tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([3], tf.int64))
+    with pytest.raises(NotImplementedError, match="postscale_factor=2.0"):
+        kr.grouped_allreduce([tf.ones([2]), slices], op=kr.Sum, postscale_factor=2.0)
+    inputs = [tf.ones([2]), slices]
+    none = kr.Compression.none
+    dense, sparse = _ops._grouped_allreduce(
+        inputs, kr.Sum, none, 0.5, 6.0, "g.scaled", kr.global_process_set
+    )
+    assert_equal(dense, tf.fill([2], 3.0))
+    assert_equal(sparse.values, slices.values * 3)
 
 
 def test_grouped_allreduce_of_nothing():
@@ -117,7 +136,7 @@ def test_grouped_allreduce_of_nothing():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DTYPES + MOVED_DTYPES, ids=lambda d: d.name)
 def test_allgather_is_identity(dtype, mode):
     for shape in [(2, 3), (0, 3), (5,)]:
         x = sample(dtype, shape)
@@ -137,7 +156,7 @@ def test_allgather_of_a_scalar_fails():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DTYPES + MOVED_DTYPES, ids=lambda d: d.name)
 def test_broadcast_is_identity(dtype, mode):
     x = sample(dtype)
     assert_equal(run(mode, lambda t: kr.broadcast(t, root_rank=0), x), x)
@@ -235,7 +254,7 @@ def test_grouped_needs_a_list(fn, tensors):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DTYPES + MOVED_DTYPES, ids=lambda d: d.name)
 def test_alltoall_is_identity(dtype, mode):
     for shape in [(2, 3), (0, 3), (5,)]:
         x = sample(dtype, shape)
@@ -341,21 +360,41 @@ def test_alltoall_of_a_scalar_fails():
 def test_allreduce_of_indexed_slices_gathers(op, mode):
     def fn(values, indices):
         slices = tf.IndexedSlices(values, indices, dense_shape=tf.constant([10], tf.int64))
-        return kr.allreduce(slices, op=op, prescale_factor=3.0)
+        return kr.allreduce(slices, op=op)
 
     values = tf.constant([1.0, 2.0])
     indices = tf.constant([4, 1], tf.int64)
     result = run(mode, fn, values, indices)
     assert isinstance(result, tf.IndexedSlices)
-    assert_equal(result.values, values * 3)
+    assert_equal(result.values, values)
     assert_equal(result.indices, indices)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "dtype, averaged", [(tf.int32, tf.float64), (tf.uint8, tf.float32), (tf.float16, tf.float16)]
+)
+def test_average_of_indexed_slices_divides_truly(dtype, averaged, mode):
+    # As Horovod: integer values become floating point (TF's true division).
+    slices = tf.IndexedSlices(tf.constant([3, 5], dtype), tf.constant([0, 1]))
+    result = run(mode, functools.partial(kr.allreduce, op=kr.Average), slices)
+    assert_equal(result.values, tf.constant([3, 5], averaged))
 
 
 @pytest.mark.parametrize("op", [kr.Min, kr.Max, kr.Product])
 def test_allreduce_of_indexed_slices_rejects_nonlinear_ops(op):
     slices = tf.IndexedSlices(tf.ones([1]), tf.constant([0]))
-    with pytest.raises(ValueError, match="Received: op="):
+    with pytest.raises(NotImplementedError, match="Received: op="):
         kr.allreduce(slices, op=op)
+    with pytest.raises(NotImplementedError, match="Received: op="):
+        kr.grouped_allreduce([tf.ones([1]), slices], op=op)
+
+
+@pytest.mark.parametrize("scale", ["prescale_factor", "postscale_factor"])
+def test_allreduce_of_indexed_slices_rejects_scale_factors(scale):
+    slices = tf.IndexedSlices(tf.ones([1]), tf.constant([0]))
+    with pytest.raises(NotImplementedError, match=f"{scale}=0.5"):
+        kr.allreduce(slices, op=kr.Sum, **{scale: 0.5})
 
 
 def gradient(mode, fn, x, upstream):
@@ -583,9 +622,7 @@ def test_name_must_be_a_string():
             call()
 
 
-@pytest.mark.parametrize(
-    "value", [[True, False], [1 + 2j], ["a"]], ids=["bool", "complex128", "string"]
-)
+@pytest.mark.parametrize("value", [[1 + 2j], ["a"]], ids=["complex128", "string"])
 def test_unsupported_dtypes(value):
     dtype = tf.constant(value).dtype.name
     calls = [
@@ -601,6 +638,23 @@ def test_unsupported_dtypes(value):
     for call in calls:
         with pytest.raises(TypeError, match=f"dtype {dtype}"):
             call(tf.constant(value))
+
+
+@pytest.mark.parametrize("dtype", MOVED_DTYPES, ids=lambda d: d.name)
+def test_reductions_refuse_the_dtypes_that_are_only_moved(dtype):
+    calls = [
+        lambda t: kr.allreduce(t),
+        lambda t: kr.grouped_allreduce([tf.ones([1]), t]),
+        lambda t: kr.reducescatter(t),
+        lambda t: kr.grouped_reducescatter([tf.ones([1]), t]),
+    ]
+    match = (
+        f"does not support dtype {dtype.name}: reductions take float16, .*, int64; "
+        "int16, uint16, bool only allgather, broadcast and alltoall"
+    )
+    for call in calls:
+        with pytest.raises(TypeError, match=match):
+            call(sample(dtype))
 
 
 def test_engine_errors_reach_python_verbatim():

@@ -33,10 +33,13 @@ import keras_ring as kr  # noqa: E402
 from keras_ring import _ops  # noqa: E402
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64]
+# Moved unchanged by allgather, broadcast and alltoall; not reduced.
+MOVED_DTYPES = [tf.int16, tf.uint16, tf.bool]
 OPS = {"Average": kr.Average, "Sum": kr.Sum, "Min": kr.Min, "Max": kr.Max, "Product": kr.Product}
 SIZES = [0, 1, 7, 1001]
 BIG = 4 * 1024 * 1024 + 3  # ~16 MiB of 4-byte elements, not divisible by 2 or 3
 BIG_DTYPES = (tf.float32, tf.int32)
+BIG_MOVED_DTYPES = (tf.float32, tf.int16, tf.bool)  # the collectives that move bytes
 # Exact in float32, the type of the scale attrs.
 PRESCALE, POSTSCALE = 0.5, 2.5
 TOLERANCE = {tf.float16: 1e-3, tf.bfloat16: 1e-2, tf.float32: 1e-6, tf.float64: 1e-12}
@@ -55,6 +58,8 @@ def inputs(rank, shape, dtype, case, small):
     """
     rng = np.random.default_rng([zlib.crc32(f"{case}/{dtype.name}".encode()), rank])
     np_dtype = dtype.as_numpy_dtype
+    if dtype == tf.bool:
+        return rng.integers(0, 1, size=shape, endpoint=True).astype(bool)
     if dtype.is_integer and not small:
         return rng.integers(dtype.min, dtype.max, size=shape, dtype=np_dtype, endpoint=True)
     low = 0 if dtype.is_unsigned else (-3 if "Product" in case else -8)
@@ -107,7 +112,7 @@ def check(what, actual, expected, dtype):
     actual = np.asarray(actual)
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         ok = False
-    elif dtype.is_integer:
+    elif not dtype.is_floating:
         ok = np.array_equal(actual, expected)
     else:
         tol = TOLERANCE[dtype]
@@ -185,8 +190,8 @@ def check_grouped_allreduce():
 
 
 def check_allgather():
-    for dtype in DTYPES:
-        sizes = SIZES + ([BIG // 4 // SIZE] if dtype == tf.float32 else [])
+    for dtype in DTYPES + MOVED_DTYPES:
+        sizes = SIZES + ([BIG // 4 // SIZE] if dtype in BIG_MOVED_DTYPES else [])
         for n in sizes:
             # Rows differ per rank; rank 1 has none in the first pattern.
             for pattern, rows in (
@@ -202,8 +207,8 @@ def check_allgather():
 
 
 def check_broadcast():
-    for dtype in DTYPES:
-        sizes = SIZES + ([BIG] if dtype in BIG_DTYPES else [])
+    for dtype in DTYPES + MOVED_DTYPES:
+        sizes = SIZES + ([BIG] if dtype in BIG_DTYPES + BIG_MOVED_DTYPES else [])
         all_inputs = [[inputs(r, n, dtype, "broadcast", False) for r in range(SIZE)] for n in sizes]
         for root in range(SIZE):
             mine = [tf.constant(xs[RANK]) for xs in all_inputs]
@@ -287,12 +292,12 @@ def check_grouped_allgather():
             inputs(r, shapes[i % 3](rows(i, r)), dtype, "grouped_ag", False)
             for r in range(SIZE)
         ]
-        for i, dtype in enumerate(DTYPES)
+        for i, dtype in enumerate(DTYPES + MOVED_DTYPES)
     ]
     mine = [tf.constant(xs[RANK]) for xs in all_inputs]
     for mode in MODES:
         outputs = run(mode, functools.partial(kr.grouped_allgather, name="grouped_ag"), mine)
-        for dtype, xs, out in zip(DTYPES, all_inputs, outputs):
+        for dtype, xs, out in zip(DTYPES + MOVED_DTYPES, all_inputs, outputs):
             check(f"grouped_allgather {dtype.name} {mode}", out, np.concatenate(xs), dtype)
 
 
@@ -320,13 +325,13 @@ def alltoall_reference(xs, case):
 
 def check_alltoall():
     library = _ops._library()
-    for dtype in DTYPES:
+    for dtype in DTYPES + MOVED_DTYPES:
         for case in ("even", "uneven", "zeros", "one-sender", "none"):
             def rows(r):
                 splits = alltoall_splits(r, case)
                 return 3 * SIZE if splits is None else sum(splits)
 
-            inner = (2,) if dtype.is_integer else (2, 3)
+            inner = (2, 3) if dtype.is_floating else (2,)
             xs = [
                 inputs(r, (rows(r), *inner), dtype, f"alltoall/{case}", False) for r in range(SIZE)
             ]
@@ -351,11 +356,12 @@ def check_alltoall():
             check(f"{what} function received_splits", got, received, tf.int32)
     # Large blocks to every rank.
     n = BIG // 4 // SIZE
-    xs = [inputs(r, (n * SIZE, 4), tf.float32, "alltoall/big", False) for r in range(SIZE)]
-    expected = np.concatenate([x[RANK * n : (RANK + 1) * n] for x in xs])
-    out, got = kr.alltoall(tf.constant(xs[RANK]), splits=[n] * SIZE)
-    check("alltoall big", out, expected, tf.float32)
-    check("alltoall big received_splits", got, np.full([SIZE], n, np.int32), tf.int32)
+    for dtype in BIG_MOVED_DTYPES:
+        xs = [inputs(r, (n * SIZE, 4), dtype, "alltoall/big", False) for r in range(SIZE)]
+        expected = np.concatenate([x[RANK * n : (RANK + 1) * n] for x in xs])
+        out, got = kr.alltoall(tf.constant(xs[RANK]), splits=[n] * SIZE)
+        check(f"alltoall big {dtype.name}", out, expected, dtype)
+        check("alltoall big received_splits", got, np.full([SIZE], n, np.int32), tf.int32)
 
 
 def gradient(mode, fn, x, upstream):
@@ -570,6 +576,9 @@ def check_mismatch_errors():
         ),
         "mismatch.alltoall": lambda: kr.alltoall(
             tf.zeros([SIZE, 2 + (RANK == 1)]), name="mismatch.alltoall"
+        ),
+        "mismatch.moved": lambda: kr.allgather(
+            tf.zeros([1], tf.int16 if RANK else tf.uint16), name="mismatch.moved"
         ),
         "mismatch.alltoall.fn": lambda: tf.function(
             lambda: kr.alltoall(tf.zeros([SIZE, 1], tf.int32 if RANK else tf.int64),
