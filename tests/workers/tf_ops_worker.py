@@ -466,6 +466,9 @@ def check_new_gradients():
             [tf.cast(t, tf.float64), t], op=kr.Average, postscale_factor=0.5
         )[1]
 
+    def grouped_sum(t):
+        return kr.grouped_reducescatter([t, t * 2.0], op=kr.Sum)[0]
+
     for mode in MODES:
         check(f"grad reducescatter Sum {mode}", gradient(mode, scaled, x, w), gathered * 6,
               tf.float32)
@@ -473,6 +476,13 @@ def check_new_gradients():
               gathered / SIZE, tf.float32)
         check(f"grad grouped_reducescatter {mode}", gradient(mode, grouped_second, x, w),
               gathered * 0.5 / SIZE, tf.float32)
+        # Grouped and alone alike: the gradient of the sum of every rank's loss (Horovod's
+        # is size() times larger for Sum).
+        check(f"grad grouped_reducescatter Sum {mode}", gradient(mode, grouped_sum, x, w),
+              gathered, tf.float32)
+        check(f"grad reducescatter Sum unscaled {mode}",
+              gradient(mode, functools.partial(kr.reducescatter, op=kr.Sum), x, w), gathered,
+              tf.float32)
         for i in range(2):
             check(
                 f"grad grouped_allgather output {i} {mode}",
