@@ -3,8 +3,9 @@
 The API mirrors `horovod.tensorflow.keras`: `init()`, `rank()`, `size()`,
 collectives on tensors (`allreduce`, `grouped_allreduce`, `allgather`,
 `grouped_allgather`, `broadcast`, `reducescatter`, `grouped_reducescatter`,
-`alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`,
-and for Keras `DistributedOptimizer`, `DistributedGradientTape` and
+`alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`
+(`Adasum` is named, and refused where used), and for Keras
+`DistributedOptimizer`, `DistributedGradientTape` and
 `SyncBatchNormalization`.
 """
 
@@ -46,7 +47,7 @@ from keras_ring._process_sets import (
     global_process_set,
     remove_process_set,
 )
-from keras_ring._reduce_ops import Average, Max, Min, Product, Sum
+from keras_ring._reduce_ops import Adasum, Average, Max, Min, Product, Sum
 
 __version__ = "0.1.0.dev0"
 
@@ -87,7 +88,7 @@ _LAZY = {
 
 
 __all__ = [
-    "Average", "Max", "Min", "Product", "Sum",
+    "Adasum", "Average", "Max", "Min", "Product", "Sum",
     "cross_rank", "cross_size", "cuda_built", "init", "is_homogeneous", "is_initialized",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "rank", "shutdown", "size", "callbacks", "broadcast_object",

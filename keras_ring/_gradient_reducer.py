@@ -21,7 +21,7 @@ from keras_ring import _ops
 from keras_ring._compression import Compression
 from keras_ring._process_sets import ProcessSet, global_process_set
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
-from keras_ring._reduce_ops import Average, Sum
+from keras_ring._reduce_ops import Average, Sum, refuse_adasum
 
 
 def check_no_strategy(api):
@@ -148,6 +148,7 @@ class GradientReducer:
                 f"`sparse_as_dense` must be True or False. Received: "
                 f"sparse_as_dense={sparse_as_dense!r}"
             )
+        refuse_adasum(op)
         if not _is_count(op) or op not in (Average, Sum):
             shown = _REDUCE_OP_NAMES.get(op, repr(op)) if _is_count(op) else repr(op)
             raise ValueError(

@@ -184,6 +184,14 @@ def test_tape_arguments_are_checked(kwargs, shown):
         kr.DistributedGradientTape(tf.GradientTape(), **kwargs)
 
 
+def test_adasum_is_refused():
+    refused = "Adasum is not offered by keras-ring: use op=keras_ring.Average"
+    with pytest.raises(NotImplementedError, match=refused):
+        kr.DistributedOptimizer(keras.optimizers.SGD(), op=kr.Adasum)
+    with pytest.raises(NotImplementedError, match=refused):
+        kr.DistributedGradientTape(tf.GradientTape(), op=kr.Adasum)
+
+
 def test_bucket_bytes_setting_is_checked(monkeypatch):
     monkeypatch.setenv("KERAS_RING_BUCKET_BYTES", "4MiB")
     v = tf.Variable(1.0)
