@@ -5,8 +5,8 @@ collectives on tensors (`allreduce`, `grouped_allreduce`, `allgather`,
 `grouped_allgather`, `broadcast`, `reducescatter`, `grouped_reducescatter`,
 `alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`
 (`Adasum` is named, and refused where used), and for Keras
-`DistributedOptimizer`, `DistributedGradientTape` and
-`SyncBatchNormalization`.
+`DistributedOptimizer`, `DistributedGradientTape`, their `Partial*` forms
+with local layers, and `SyncBatchNormalization`.
 """
 
 import importlib
@@ -73,8 +73,10 @@ _LAZY = {
     "process_set_included_op": "keras_ring._ops",
     "Compression": "keras_ring._compression",
     "DistributedOptimizer": "keras_ring._optimizer",
+    "PartialDistributedOptimizer": "keras_ring._optimizer",
     "load_model": "keras_ring._optimizer",
     "DistributedGradientTape": "keras_ring._gradient_tape",
+    "PartialDistributedGradientTape": "keras_ring._gradient_tape",
     "SyncBatchNormalization": "keras_ring._sync_batch_norm",
     "shard_dataset": "keras_ring._data",
     "rank_zero_verbose": "keras_ring._data",

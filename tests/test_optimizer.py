@@ -574,3 +574,95 @@ def test_tape_is_a_context_manager_and_forwards_the_tape_api():
 def test_tape_refuses_what_is_not_a_tape():
     with pytest.raises(TypeError, match=r"Received: gradtape=None$"):
         kr.DistributedGradientTape(None)
+
+
+# Local variables and layers. With one rank a local gradient is the
+# gradient itself (divided by a size of 1): the values across ranks are
+# checked by tests/workers/local_variables_worker.py.
+
+
+def test_partial_optimizer_trains_as_the_plain_optimizer_and_saves_as_it(tmp_path):
+    model = build_model()
+    optimizer = kr.PartialDistributedOptimizer(
+        keras.optimizers.Adam(0.01, name="opt"), local_layers=model.layers[0]
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
+    plain = train(keras.optimizers.Adam(0.01, name="opt"))
+    assert_same_state(model, plain)
+    assert keras.saving.serialize_keras_object(optimizer) == (
+        keras.saving.serialize_keras_object(plain.optimizer)
+    )
+    model.save(tmp_path / "model.keras")
+    restored = kr.load_model(tmp_path / "model.keras")
+    assert type(restored.optimizer).__name__ == "DistributedAdam"
+    assert_same_state(restored, model)
+    restored.optimizer.register_local_var(restored.layers[0].kernel)
+    restored.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "local_layers", ["dense", [keras.layers.Dense(1), "dense"], keras.Variable(1.0)],
+    ids=["string", "list with a string", "variable"],
+)
+def test_local_layers_are_checked(local_layers):
+    optimizer = keras.optimizers.SGD()
+    with pytest.raises(ValueError, match=r"`local_layers` must be a keras.layers.Layer"):
+        kr.PartialDistributedOptimizer(optimizer, local_layers=local_layers)
+    assert type(optimizer) is keras.optimizers.SGD
+    with pytest.raises(ValueError, match=r"`local_layers` must be a keras.layers.Layer"):
+        kr.PartialDistributedGradientTape(tf.GradientTape(), local_layers=local_layers)
+
+
+@pytest.mark.parametrize("api", ["optimizer", "tape"])
+def test_scale_local_gradients_is_checked(api):
+    with pytest.raises(ValueError, match=received("scale_local_gradients=1")):
+        if api == "optimizer":
+            kr.DistributedOptimizer(keras.optimizers.SGD(), scale_local_gradients=1)
+        else:
+            kr.DistributedGradientTape(tf.GradientTape(), scale_local_gradients=1)
+
+
+def test_local_variables_need_the_variables_of_the_gradients():
+    variable = keras.Variable([1.0])
+    plain = keras.optimizers.SGD(1.0)
+    plain.build([variable])
+    optimizer = kr.DistributedOptimizer(plain)
+    optimizer.register_local_var(variable)
+    with pytest.raises(ValueError, match="has local variables, so it needs the variables"):
+        optimizer.apply([tf.constant([1.0])])
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_tape_splits_local_and_global_gradients(mode):
+    model = embedding_model()
+    embeddings, kernel, bias = model.trainable_variables
+    x = tf.constant([[1, 2, 2], [3, 1, 0]])
+
+    paths = {}
+
+    def gradients():
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_sum(model(x))
+        partial = kr.PartialDistributedGradientTape(tape, local_layers=[model.layers[-1]])
+        local, shared = partial.get_local_and_global_gradients(loss, model.trainable_variables)
+        paths.update(local=[v.path for v, _ in local], shared=[v.path for v, _ in shared])
+        split = [g for _, g in local + shared]
+        return split, tape.gradient(loss, model.trainable_variables)
+
+    split, plain = tf.function(gradients)() if mode == "function" else gradients()
+    assert paths == {"local": [kernel.path, bias.path], "shared": [embeddings.path]}
+    for g, expected in zip(split, plain[1:] + plain[:1]):
+        np.testing.assert_array_equal(tf.convert_to_tensor(g), tf.convert_to_tensor(expected))
+
+
+def test_local_layers_built_after_wrapping_count():
+    layer = keras.layers.Dense(1)
+    model = keras.Sequential([keras.layers.Dense(2), layer])
+    with kr.PartialDistributedGradientTape(tf.GradientTape(), local_layers=layer) as tape:
+        loss = tf.reduce_sum(model(tf.ones([1, 3])))
+    first_kernel = model.layers[0].kernel
+    tape.register_local_source(first_kernel)
+    local, shared = tape.get_local_and_global_gradients(loss, model.trainable_variables)
+    assert [v.path for v, _ in local] == [first_kernel.path, layer.kernel.path, layer.bias.path]
+    assert [v.path for v, _ in shared] == [model.layers[0].bias.path]
