@@ -169,13 +169,15 @@ class _DistributedOptimizerMixin:
             totals = state.accumulator.totals(sums)
             parent_apply(state.reducer.reduce(totals, variables), trainable_variables)
 
+        def accumulate_only():
+            state.accumulator.next_pass()
+            # `iterations` counts batches, as Horovod's does: the update
+            # counts the last one.
+            self.iterations.assign_add(1)
+
         # Every rank runs the same number of passes, so all take the same
         # branch: the collective inside runs on all ranks or on none.
-        tf.cond(
-            state.accumulator.is_last_pass(),
-            reduce_and_apply,
-            state.accumulator.next_pass,
-        )
+        tf.cond(state.accumulator.is_last_pass(), reduce_and_apply, accumulate_only)
 
 
 @functools.cache
@@ -289,8 +291,8 @@ def DistributedOptimizer(
 
     Local accumulation: `backward_passes_per_step` sums gradients locally
     and reduces once per update. Keras's own `gradient_accumulation_steps`
-    works too, but accumulates after the reduction, so it reduces every
-    batch.
+    works too (not with `backward_passes_per_step`), but accumulates after
+    the reduction, so it reduces every batch.
 
     Local variables: the gradients of variables registered with
     `optimizer.register_local_var(var)` (or of the layers passed to
@@ -313,7 +315,9 @@ def DistributedOptimizer(
         op: `keras_ring.Average` (default) or `keras_ring.Sum`.
         backward_passes_per_step: Number of backward passes (batches) whose
             gradients are summed locally before one reduction and update.
-            `optimizer.iterations` then counts updates, not batches.
+            `optimizer.iterations` counts batches, as Horovod's does, so
+            learning-rate schedules and optimizers that read it (Adam's bias
+            correction) see batches.
         average_aggregated_gradients: With `backward_passes_per_step > 1`,
             divide the local sum by `backward_passes_per_step`.
         groups: `None` (buckets of about `KERAS_RING_BUCKET_BYTES`, or one
@@ -364,6 +368,14 @@ def DistributedOptimizer(
         raise ValueError(
             "`average_aggregated_gradients` must be True or False. "
             f"Received: average_aggregated_gradients={average_aggregated_gradients!r}"
+        )
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if backward_passes_per_step > 1 and inner.gradient_accumulation_steps:
+        raise ValueError(
+            "Accumulate with keras_ring's `backward_passes_per_step` or with Keras's "
+            "`gradient_accumulation_steps`, not both. Received: backward_passes_per_step="
+            f"{backward_passes_per_step}, gradient_accumulation_steps="
+            f"{inner.gradient_accumulation_steps}"
         )
     reducer = GradientReducer(
         name=f"Distributed{type(optimizer).__name__}" if name is None else name,

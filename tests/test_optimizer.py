@@ -354,15 +354,77 @@ def test_backward_passes_per_step_updates_every_nth_pass(mode, average, step):
         np.testing.assert_array_equal(variable.numpy(), [10.0, 20.0])
         apply(tf.constant([n, n]))
     np.testing.assert_array_equal(variable.numpy(), [10.0 - step, 20.0 - step])
-    # Iterations count updates, not passes.
-    assert int(optimizer.iterations.numpy()) == 1
+    # Iterations count batches (passes), as Horovod's.
+    assert int(optimizer.iterations.numpy()) == 3
 
 
-def test_backward_passes_match_a_larger_batch():
+def test_backward_passes_match_a_larger_batch_counted_in_batches():
     passes = kr.DistributedOptimizer(
         keras.optimizers.Adam(0.01), backward_passes_per_step=2, average_aggregated_gradients=True
     )
-    assert_same_state(train(passes, batch_size=BATCH // 2), train(keras.optimizers.Adam(0.01)))
+    model = train(passes, batch_size=BATCH // 2)
+    # Adam at twice the batch, its step count (which its bias correction
+    # reads) advanced by the pass that only accumulated.
+    reference = build_model()
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    skipped_pass = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: reference.optimizer.iterations.assign_add(1)
+    )
+    reference.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0, callbacks=[skipped_pass])
+    assert_same_state(model, reference)
+    assert int(model.optimizer.iterations.numpy()) == 2 * STEPS
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_backward_passes_count_batches_as_horovod(average):
+    # Horovod's test_gradient_aggregation in Keras 3: an optimizer that adds
+    # the gradient, a sparse gradient made dense, ten batches of four passes.
+    class AddGradient(keras.optimizers.Optimizer):
+        def update_step(self, gradient, variable, learning_rate):
+            variable.assign_add(gradient)
+
+    passes = 4
+    optimizer = kr.DistributedOptimizer(
+        AddGradient(learning_rate=0.1),
+        backward_passes_per_step=passes,
+        average_aggregated_gradients=average,
+        sparse_as_dense=True,
+    )
+    x, y = keras.Variable([0.0]), keras.Variable([1.0, 2.0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = x - tf.gather(y, [0])  # d/dx = 1, d/dy = [-1, 0] as IndexedSlices
+        optimizer.apply(tape.gradient(loss, [x, y]), [x, y])
+
+    for batch in range(10):
+        step()
+        change = (batch + 1) // passes * (1 if average else passes)
+        np.testing.assert_array_equal(x.numpy(), [change])
+        np.testing.assert_array_equal(y.numpy(), [1.0 - change, 2.0])
+        assert int(optimizer.iterations.numpy()) == batch + 1
+
+
+def test_learning_rate_schedules_see_batches():
+    # Updates at batches 1 and 3 (two passes each): rates schedule(1) and schedule(3).
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [1.0, 0.5])
+    variable = keras.Variable([0.0])
+    optimizer = kr.DistributedOptimizer(
+        keras.optimizers.SGD(schedule), backward_passes_per_step=2
+    )
+    for _ in range(4):
+        optimizer.apply([tf.constant([1.0])], [variable])
+    np.testing.assert_array_equal(variable.numpy(), [-(2.0 * 1.0 + 2.0 * 0.5)])
+
+
+def test_refuses_two_kinds_of_accumulation():
+    optimizer = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=received(
+        "backward_passes_per_step=2, gradient_accumulation_steps=2"
+    )):
+        kr.DistributedOptimizer(optimizer, backward_passes_per_step=2)
+    kr.DistributedOptimizer(optimizer)
 
 
 def test_variables_of_the_build_serve_apply_without_variables():

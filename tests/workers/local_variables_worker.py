@@ -215,6 +215,8 @@ def check_backward_passes():
         "dense", lambda: keras.optimizers.SGD(0.1), lambda r: SEED, 0, passes=2, average=True
     )
     check_against("backward_passes_per_step=2 averaged", model, simulated)
+    if int(optimizer.iterations.numpy()) != 2 * STEPS:
+        failures.append(f"rank {RANK}: iterations {optimizer.iterations.numpy()}, not batches")
 
 
 def check_lazy():
