@@ -3,9 +3,10 @@
 The API mirrors `horovod.tensorflow.keras`: `init()`, `rank()`, `size()`,
 collectives on tensors (`allreduce`, `grouped_allreduce`, `allgather`,
 `grouped_allgather`, `broadcast`, `reducescatter`, `grouped_reducescatter`,
-`alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`,
-and for Keras `DistributedOptimizer`, `DistributedGradientTape` and
-`SyncBatchNormalization`.
+`alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`
+(`Adasum` is named, and refused where used), and for Keras
+`DistributedOptimizer`, `DistributedGradientTape`, their `Partial*` forms
+with local layers, and `SyncBatchNormalization`.
 """
 
 import importlib
@@ -46,7 +47,7 @@ from keras_ring._process_sets import (
     global_process_set,
     remove_process_set,
 )
-from keras_ring._reduce_ops import Average, Max, Min, Product, Sum
+from keras_ring._reduce_ops import Adasum, Average, Max, Min, Product, Sum
 
 __version__ = "0.1.0.dev0"
 
@@ -72,8 +73,10 @@ _LAZY = {
     "process_set_included_op": "keras_ring._ops",
     "Compression": "keras_ring._compression",
     "DistributedOptimizer": "keras_ring._optimizer",
+    "PartialDistributedOptimizer": "keras_ring._optimizer",
     "load_model": "keras_ring._optimizer",
     "DistributedGradientTape": "keras_ring._gradient_tape",
+    "PartialDistributedGradientTape": "keras_ring._gradient_tape",
     "SyncBatchNormalization": "keras_ring._sync_batch_norm",
     "shard_dataset": "keras_ring._data",
     "rank_zero_verbose": "keras_ring._data",
@@ -87,7 +90,7 @@ _LAZY = {
 
 
 __all__ = [
-    "Average", "Max", "Min", "Product", "Sum",
+    "Adasum", "Average", "Max", "Min", "Product", "Sum",
     "cross_rank", "cross_size", "cuda_built", "init", "is_homogeneous", "is_initialized",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "rank", "shutdown", "size", "callbacks", "broadcast_object",

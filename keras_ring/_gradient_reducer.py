@@ -15,13 +15,14 @@ same function derives the same names.
 import numbers
 import os
 
+import keras
 import tensorflow as tf
 
 from keras_ring import _ops
 from keras_ring._compression import Compression
 from keras_ring._process_sets import ProcessSet, global_process_set
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
-from keras_ring._reduce_ops import Average, Sum
+from keras_ring._reduce_ops import Average, Sum, refuse_adasum
 
 
 def check_no_strategy(api):
@@ -56,6 +57,31 @@ def _check_not_xla(api):
             "XLA on when a GPU is present), and decorate a custom training step with "
             "`tf.function(jit_compile=False)`."
         )
+
+
+def local_layer_list(local_layers):
+    """Returns the `local_layers` argument of the `Partial*` APIs as a list of layers.
+
+    Args:
+        local_layers: `None`, a `keras.layers.Layer`, or a list of them.
+
+    Returns:
+        A list of layers, empty for `None`.
+
+    Raises:
+        ValueError: If `local_layers` holds anything but layers.
+    """
+    if local_layers is None:
+        return []
+    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else local_layers
+    if not isinstance(layers, (list, tuple)) or not all(
+        isinstance(layer, keras.layers.Layer) for layer in layers
+    ):
+        raise ValueError(
+            "`local_layers` must be a keras.layers.Layer or a list of them. "
+            f"Received: local_layers={local_layers!r}"
+        )
+    return list(layers)
 
 
 DEFAULT_BUCKET_BYTES = 4 << 20
@@ -108,6 +134,9 @@ class GradientReducer:
         process_set: The `keras_ring.ProcessSet` whose ranks average the
             gradients (`None`: all ranks). Only its members may use the
             reducer; Average divides by the set's size.
+        scale_local_gradients: Whether the gradients of local sources (see
+            `register_local_source`) are divided by the size of the process
+            set, as Horovod does.
 
     Raises:
         ValueError: If an argument is invalid.
@@ -126,6 +155,7 @@ class GradientReducer:
         groups=None,
         num_groups=0,
         process_set=None,
+        scale_local_gradients=True,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
@@ -148,6 +178,7 @@ class GradientReducer:
                 f"`sparse_as_dense` must be True or False. Received: "
                 f"sparse_as_dense={sparse_as_dense!r}"
             )
+        refuse_adasum(op)
         if not _is_count(op) or op not in (Average, Sum):
             shown = _REDUCE_OP_NAMES.get(op, repr(op)) if _is_count(op) else repr(op)
             raise ValueError(
@@ -175,6 +206,11 @@ class GradientReducer:
                 f"init(process_sets=...)) or None for all ranks. Received: "
                 f"process_set={process_set!r}"
             )
+        if not isinstance(scale_local_gradients, bool):
+            raise ValueError(
+                "`scale_local_gradients` must be True or False. "
+                f"Received: scale_local_gradients={scale_local_gradients!r}"
+            )
         self.name = name
         self._api = api
         self._device_dense = device_dense
@@ -188,6 +224,37 @@ class GradientReducer:
         self._postscale = float(gradient_predivide_factor)
         self._num_groups, self._variable_groups = self._parse_groups(groups, num_groups)
         self._process_set = process_set or global_process_set
+        self._scale_local = scale_local_gradients
+        # Sources by id (Keras 3 variables are not hashable by value), kept
+        # alive so that their ids are not reused; and layers, whose trainable
+        # weights are read at each reduction, so that layers built later count.
+        self._local_sources = {}
+        self._local_layers = []
+
+    def register_local_source(self, source):
+        """Makes the gradient of `source` local: never reduced, only scaled.
+
+        Args:
+            source: A variable (or tensor) whose gradient each rank keeps.
+        """
+        self._local_sources[id(source)] = source
+
+    def register_local_layers(self, layers):
+        """Makes the gradients of the trainable weights of `layers` local.
+
+        Args:
+            layers: A list of `keras.layers.Layer` (see `local_layer_list`).
+        """
+        self._local_layers.extend(layers)
+
+    def is_local(self, source):
+        """Whether the gradient of `source` stays on its rank."""
+        return id(source) in self._local_ids()
+
+    def _local_ids(self):
+        ids = set(self._local_sources)
+        ids.update(id(v) for layer in self._local_layers for v in layer.trainable_weights)
+        return ids
 
     @staticmethod
     def _parse_groups(groups, num_groups):
@@ -225,21 +292,26 @@ class GradientReducer:
 
         Returns:
             A list of the reduced gradients, with `None` where `grads` had
-            `None`.
+            `None`. The gradients of local sources are not reduced: they are
+            this rank's own, divided by the process set's size if
+            `scale_local_gradients`.
 
         Raises:
             ValueError: Under a `tf.distribute` strategy, inside an XLA
-                compilation, or if `groups` lists variables and `variables`
-                is `None`.
+                compilation, or if `groups` lists variables or sources are
+                registered as local, and `variables` is `None`.
         """
         check_no_strategy(self._api)
         _check_not_xla(self._api)
-        grads = list(grads)
+        given = list(grads)
+        local = self._local_positions(variables)
+        # The gradients to reduce: None stands for local ones.
+        grads = [None if i in local else g for i, g in enumerate(given)]
         if self._sparse_as_dense:
             grads = [
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
-        results = list(grads)
+        results = [self._scaled_local(given[i]) if i in local else g for i, g in enumerate(grads)]
         # Partitioned first: its checks apply with any number of ranks.
         partition = self._partition(grads, variables)
         if self._is_identity():
@@ -262,6 +334,28 @@ class GradientReducer:
                 for i, r in zip(indices, reduced):
                     results[i] = r
         return results
+
+    def _local_positions(self, variables):
+        ids = self._local_ids()
+        if not ids:
+            return set()
+        if variables is None:
+            raise ValueError(
+                f"keras_ring.{self._api} has local variables, so it needs the variables of the "
+                "gradients: pass them (optimizer.apply(grads, trainable_variables) or "
+                "tape.gradient(target, sources))."
+            )
+        return {i for i, v in enumerate(variables) if id(v) in ids}
+
+    def _scaled_local(self, grad):
+        # Horovod divides local gradients by the size, so that an optimizer
+        # tuned for averaged gradients sees them at the same scale.
+        size = self._process_set.size()
+        if grad is None or not self._scale_local or size == 1:
+            return grad
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(grad.values / size, grad.indices, grad.dense_shape)
+        return grad / size
 
     def _is_identity(self):
         # Alone in its set, a rank's average (or sum) is its own gradient:

@@ -1,9 +1,12 @@
-"""`DistributedGradientTape`: a `tf.GradientTape` whose gradients are reduced across ranks."""
+"""`DistributedGradientTape`: a `tf.GradientTape` whose gradients are reduced across ranks.
+
+`PartialDistributedGradientTape` makes one whose local layers' gradients are not.
+"""
 
 import tensorflow as tf
 
 from keras_ring._compression import Compression
-from keras_ring._gradient_reducer import GradientReducer, check_no_strategy
+from keras_ring._gradient_reducer import GradientReducer, check_no_strategy, local_layer_list
 from keras_ring._reduce_ops import Average
 
 
@@ -34,6 +37,9 @@ class DistributedGradientTape:
         process_set: The `keras_ring.ProcessSet` whose ranks average the
             gradients (default `None`: all ranks). Only its members may use
             the tape.
+        scale_local_gradients: Whether the gradients of local sources (see
+            `register_local_source`) are divided by the number of ranks
+            (default `True`, as Horovod).
 
     Raises:
         TypeError: If `gradtape` is not a `tf.GradientTape`.
@@ -68,6 +74,7 @@ class DistributedGradientTape:
         num_groups=0,
         groups=None,
         process_set=None,
+        scale_local_gradients=True,
     ):
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(
@@ -88,7 +95,22 @@ class DistributedGradientTape:
             groups=groups,
             num_groups=num_groups,
             process_set=process_set,
+            scale_local_gradients=scale_local_gradients,
         )
+
+    def register_local_source(self, source):
+        """Keeps the gradient of `source` on this rank: `gradient()` does not reduce it.
+
+        The gradient is this rank's own, divided by the number of ranks
+        unless the tape was made with `scale_local_gradients=False`. For
+        model-parallel parts of a model, whose variables differ between ranks.
+        Register sources before the first `gradient()` call of a
+        `tf.function` trace: the trace keeps what it saw.
+
+        Args:
+            source: A variable (or watched tensor) passed in `sources`.
+        """
+        self._reducer.register_local_source(source)
 
     def gradient(
         self,
@@ -122,6 +144,25 @@ class DistributedGradientTape:
         reduced = self._reducer.reduce(tf.nest.flatten(grads), tf.nest.flatten(sources))
         return tf.nest.pack_sequence_as(grads, reduced)
 
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """Computes the gradients as `gradient()` does, split into local and reduced ones.
+
+        Args:
+            target: The tensor (or structure of tensors) to differentiate.
+            sources: The variables or tensors (a structure of them) to
+                differentiate with respect to.
+            output_gradients: As for `tf.GradientTape.gradient`.
+
+        Returns:
+            Two lists of `(source, gradient)` pairs, in the order of the
+            flattened `sources`: those of local sources, then the others.
+        """
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        local, shared = [], []
+        for source, grad in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
+            (local if self._reducer.is_local(source) else shared).append((source, grad))
+        return local, shared
+
     def __enter__(self):
         self._tape.__enter__()
         return self
@@ -132,3 +173,78 @@ class DistributedGradientTape:
     def __getattr__(self, name):
         # Only called for names this class lacks: the rest of the tape's API.
         return getattr(self._tape, name)
+
+
+def PartialDistributedGradientTape(
+    gradtape,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    sparse_as_dense=False,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    process_set=None,
+    local_layers=None,
+    scale_local_gradients=True,
+):
+    """A `DistributedGradientTape` whose `local_layers` keep their gradients on each rank.
+
+    The gradients of the local layers' trainable weights are not reduced:
+    each rank gets its own, divided by the number of ranks unless
+    `scale_local_gradients=False` (as Horovod). Use it for layers whose
+    weights differ between ranks by design (model-parallel parts, per-rank
+    heads). The layers' weights are read when gradients are computed, so
+    layers not yet built count too. Other arguments are those of
+    `DistributedGradientTape`.
+
+    Args:
+        gradtape: The `tf.GradientTape` to wrap.
+        device_dense: As for `DistributedGradientTape`.
+        device_sparse: As for `DistributedGradientTape`.
+        compression: As for `DistributedGradientTape`.
+        sparse_as_dense: As for `DistributedGradientTape`.
+        op: As for `DistributedGradientTape`.
+        gradient_predivide_factor: As for `DistributedGradientTape`.
+        num_groups: As for `DistributedGradientTape`.
+        groups: As for `DistributedGradientTape`.
+        process_set: As for `DistributedGradientTape`.
+        local_layers: A `keras.layers.Layer` or a list of them (default
+            `None`: none, the tape is a plain `DistributedGradientTape`).
+        scale_local_gradients: Whether local gradients are divided by the
+            number of ranks.
+
+    Returns:
+        The `DistributedGradientTape`.
+
+    Raises:
+        TypeError: If `gradtape` is not a `tf.GradientTape`.
+        ValueError: If an argument is invalid, `local_layers` included.
+
+    Example:
+
+    ```python
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = kr.PartialDistributedGradientTape(tape, local_layers=[model.layers[-1]])
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)
+    ```
+    """
+    layers = local_layer_list(local_layers)
+    tape = DistributedGradientTape(
+        gradtape,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    tape._reducer.register_local_layers(layers)
+    return tape

@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_ring import _basics, _compression, _process_sets, _tf_build
 from keras_ring._process_sets import describe, global_process_set
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
-from keras_ring._reduce_ops import Average, Max, Min, Product, Sum  # noqa: F401
+from keras_ring._reduce_ops import Average, Max, Min, Product, Sum, refuse_adasum  # noqa: F401
 
 # The reductions that are linear: differentiable, and computable on
 # tf.IndexedSlices by gathering.
@@ -52,6 +52,7 @@ def _reduce_op(op, average):
         return Average if average else Sum
     if op is None:
         return Average
+    refuse_adasum(op)
     if isinstance(op, bool) or not isinstance(op, numbers.Integral) or op not in _REDUCE_OP_NAMES:
         raise ValueError(
             f"`op` must be one of keras_ring.Average, Sum, Min, Max or Product. Received: op={op!r}"

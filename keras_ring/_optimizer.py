@@ -18,7 +18,7 @@ import keras
 import tensorflow as tf
 
 from keras_ring._compression import Compression
-from keras_ring._gradient_reducer import GradientReducer, check_no_strategy
+from keras_ring._gradient_reducer import GradientReducer, check_no_strategy, local_layer_list
 from keras_ring._reduce_ops import Average
 
 
@@ -100,6 +100,22 @@ class _Distribution:
 class _DistributedOptimizerMixin:
     """Reduces gradients across ranks in `apply`, before the optimizer's own class sees them."""
 
+    def register_local_var(self, var):
+        """Keeps the gradient of `var` on this rank: it is applied without being reduced.
+
+        The gradient is this rank's own, divided by the number of ranks
+        unless the optimizer was made with `scale_local_gradients=False`
+        (as Horovod). For model-parallel parts of a model, whose variables
+        differ between ranks. Register variables before the first training
+        step: a traced step keeps what it saw. `keras_ring.load_model` and
+        saved models do not keep registrations: register again after
+        loading.
+
+        Args:
+            var: A variable that the optimizer updates.
+        """
+        self._keras_ring.reducer.register_local_source(var)
+
     def build(self, variables):
         super().build(variables)
         self._keras_ring.variables = list(variables)
@@ -153,13 +169,15 @@ class _DistributedOptimizerMixin:
             totals = state.accumulator.totals(sums)
             parent_apply(state.reducer.reduce(totals, variables), trainable_variables)
 
+        def accumulate_only():
+            state.accumulator.next_pass()
+            # `iterations` counts batches, as Horovod's does: the update
+            # counts the last one.
+            self.iterations.assign_add(1)
+
         # Every rank runs the same number of passes, so all take the same
         # branch: the collective inside runs on all ranks or on none.
-        tf.cond(
-            state.accumulator.is_last_pass(),
-            reduce_and_apply,
-            state.accumulator.next_pass,
-        )
+        tf.cond(state.accumulator.is_last_pass(), reduce_and_apply, accumulate_only)
 
 
 @functools.cache
@@ -244,6 +262,7 @@ def DistributedOptimizer(
     groups=None,
     num_groups=0,
     process_set=None,
+    scale_local_gradients=True,
 ):
     """Makes a Keras optimizer average its gradients across all ranks before applying them.
 
@@ -272,8 +291,12 @@ def DistributedOptimizer(
 
     Local accumulation: `backward_passes_per_step` sums gradients locally
     and reduces once per update. Keras's own `gradient_accumulation_steps`
-    works too, but accumulates after the reduction, so it reduces every
-    batch.
+    works too (not with `backward_passes_per_step`), but accumulates after
+    the reduction, so it reduces every batch.
+
+    Local variables: the gradients of variables registered with
+    `optimizer.register_local_var(var)` (or of the layers passed to
+    `PartialDistributedOptimizer`) are applied without being reduced.
 
     Args:
         optimizer: The `keras.optimizers.Optimizer` to distribute.
@@ -292,7 +315,9 @@ def DistributedOptimizer(
         op: `keras_ring.Average` (default) or `keras_ring.Sum`.
         backward_passes_per_step: Number of backward passes (batches) whose
             gradients are summed locally before one reduction and update.
-            `optimizer.iterations` then counts updates, not batches.
+            `optimizer.iterations` counts batches, as Horovod's does, so
+            learning-rate schedules and optimizers that read it (Adam's bias
+            correction) see batches.
         average_aggregated_gradients: With `backward_passes_per_step > 1`,
             divide the local sum by `backward_passes_per_step`.
         groups: `None` (buckets of about `KERAS_RING_BUCKET_BYTES`, or one
@@ -304,6 +329,9 @@ def DistributedOptimizer(
         process_set: The `keras_ring.ProcessSet` whose ranks average the
             gradients (default `None`: all ranks). Only its members may use
             the optimizer.
+        scale_local_gradients: Whether the gradients of local variables
+            (see `register_local_var`) are divided by the number of ranks
+            (default `True`, as Horovod).
 
     Returns:
         The distributed optimizer: `optimizer` itself, or the
@@ -341,6 +369,14 @@ def DistributedOptimizer(
             "`average_aggregated_gradients` must be True or False. "
             f"Received: average_aggregated_gradients={average_aggregated_gradients!r}"
         )
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if backward_passes_per_step > 1 and inner.gradient_accumulation_steps:
+        raise ValueError(
+            "Accumulate with keras_ring's `backward_passes_per_step` or with Keras's "
+            "`gradient_accumulation_steps`, not both. Received: backward_passes_per_step="
+            f"{backward_passes_per_step}, gradient_accumulation_steps="
+            f"{inner.gradient_accumulation_steps}"
+        )
     reducer = GradientReducer(
         name=f"Distributed{type(optimizer).__name__}" if name is None else name,
         api="DistributedOptimizer",
@@ -353,6 +389,7 @@ def DistributedOptimizer(
         groups=groups,
         num_groups=num_groups,
         process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
     )
     accumulator = None
     if backward_passes_per_step > 1:
@@ -362,6 +399,89 @@ def DistributedOptimizer(
     ):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
     return _distribute(optimizer, _Distribution(reducer, accumulator))
+
+
+def PartialDistributedOptimizer(
+    optimizer,
+    name=None,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    sparse_as_dense=False,
+    gradient_predivide_factor=1.0,
+    op=Average,
+    backward_passes_per_step=1,
+    average_aggregated_gradients=False,
+    groups=None,
+    process_set=None,
+    local_layers=None,
+    scale_local_gradients=True,
+):
+    """A `DistributedOptimizer` that applies the gradients of `local_layers` unreduced.
+
+    The gradients of the local layers' trainable weights stay on each rank,
+    divided by the number of ranks unless `scale_local_gradients=False` (as
+    Horovod); all others are reduced as by `DistributedOptimizer`. Use it for
+    layers whose weights differ between ranks by design (model-parallel
+    parts, per-rank heads); give `BroadcastGlobalVariablesCallback` their
+    variables as `local_variables` to keep each rank's initial values. The
+    layers' weights are read at each step, so layers not yet built count
+    too. Other arguments are those of `DistributedOptimizer`.
+
+    Args:
+        optimizer: The `keras.optimizers.Optimizer` to distribute.
+        name: As for `DistributedOptimizer`.
+        device_dense: As for `DistributedOptimizer`.
+        device_sparse: As for `DistributedOptimizer`.
+        compression: As for `DistributedOptimizer`.
+        sparse_as_dense: As for `DistributedOptimizer`.
+        gradient_predivide_factor: As for `DistributedOptimizer`.
+        op: As for `DistributedOptimizer`.
+        backward_passes_per_step: As for `DistributedOptimizer`.
+        average_aggregated_gradients: As for `DistributedOptimizer`.
+        groups: As for `DistributedOptimizer`.
+        process_set: As for `DistributedOptimizer`.
+        local_layers: A `keras.layers.Layer` or a list of them (default
+            `None`: none, the optimizer is a plain distributed one).
+        scale_local_gradients: Whether local gradients are divided by the
+            number of ranks.
+
+    Returns:
+        The distributed optimizer, as `DistributedOptimizer` returns it.
+
+    Raises:
+        TypeError: If `optimizer` is not a Keras optimizer.
+        ValueError: If an argument is invalid, `local_layers` included, or
+            as `DistributedOptimizer` raises.
+
+    Example:
+
+    ```python
+    kr.init()
+    head = keras.layers.Dense(10)  # each rank trains its own
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(64), head])
+    optimizer = kr.PartialDistributedOptimizer(keras.optimizers.SGD(0.01), local_layers=[head])
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    ```
+    """
+    layers = local_layer_list(local_layers)  # checked before the optimizer is changed
+    distributed = DistributedOptimizer(
+        optimizer,
+        name=name,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    distributed._keras_ring.reducer.register_local_layers(layers)
+    return distributed
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):

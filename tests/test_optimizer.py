@@ -184,6 +184,14 @@ def test_tape_arguments_are_checked(kwargs, shown):
         kr.DistributedGradientTape(tf.GradientTape(), **kwargs)
 
 
+def test_adasum_is_refused():
+    refused = "Adasum is not offered by keras-ring: use op=keras_ring.Average"
+    with pytest.raises(NotImplementedError, match=refused):
+        kr.DistributedOptimizer(keras.optimizers.SGD(), op=kr.Adasum)
+    with pytest.raises(NotImplementedError, match=refused):
+        kr.DistributedGradientTape(tf.GradientTape(), op=kr.Adasum)
+
+
 def test_bucket_bytes_setting_is_checked(monkeypatch):
     monkeypatch.setenv("KERAS_RING_BUCKET_BYTES", "4MiB")
     v = tf.Variable(1.0)
@@ -346,15 +354,77 @@ def test_backward_passes_per_step_updates_every_nth_pass(mode, average, step):
         np.testing.assert_array_equal(variable.numpy(), [10.0, 20.0])
         apply(tf.constant([n, n]))
     np.testing.assert_array_equal(variable.numpy(), [10.0 - step, 20.0 - step])
-    # Iterations count updates, not passes.
-    assert int(optimizer.iterations.numpy()) == 1
+    # Iterations count batches (passes), as Horovod's.
+    assert int(optimizer.iterations.numpy()) == 3
 
 
-def test_backward_passes_match_a_larger_batch():
+def test_backward_passes_match_a_larger_batch_counted_in_batches():
     passes = kr.DistributedOptimizer(
         keras.optimizers.Adam(0.01), backward_passes_per_step=2, average_aggregated_gradients=True
     )
-    assert_same_state(train(passes, batch_size=BATCH // 2), train(keras.optimizers.Adam(0.01)))
+    model = train(passes, batch_size=BATCH // 2)
+    # Adam at twice the batch, its step count (which its bias correction
+    # reads) advanced by the pass that only accumulated.
+    reference = build_model()
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    skipped_pass = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: reference.optimizer.iterations.assign_add(1)
+    )
+    reference.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0, callbacks=[skipped_pass])
+    assert_same_state(model, reference)
+    assert int(model.optimizer.iterations.numpy()) == 2 * STEPS
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_backward_passes_count_batches_as_horovod(average):
+    # Horovod's test_gradient_aggregation in Keras 3: an optimizer that adds
+    # the gradient, a sparse gradient made dense, ten batches of four passes.
+    class AddGradient(keras.optimizers.Optimizer):
+        def update_step(self, gradient, variable, learning_rate):
+            variable.assign_add(gradient)
+
+    passes = 4
+    optimizer = kr.DistributedOptimizer(
+        AddGradient(learning_rate=0.1),
+        backward_passes_per_step=passes,
+        average_aggregated_gradients=average,
+        sparse_as_dense=True,
+    )
+    x, y = keras.Variable([0.0]), keras.Variable([1.0, 2.0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = x - tf.gather(y, [0])  # d/dx = 1, d/dy = [-1, 0] as IndexedSlices
+        optimizer.apply(tape.gradient(loss, [x, y]), [x, y])
+
+    for batch in range(10):
+        step()
+        change = (batch + 1) // passes * (1 if average else passes)
+        np.testing.assert_array_equal(x.numpy(), [change])
+        np.testing.assert_array_equal(y.numpy(), [1.0 - change, 2.0])
+        assert int(optimizer.iterations.numpy()) == batch + 1
+
+
+def test_learning_rate_schedules_see_batches():
+    # Updates at batches 1 and 3 (two passes each): rates schedule(1) and schedule(3).
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [1.0, 0.5])
+    variable = keras.Variable([0.0])
+    optimizer = kr.DistributedOptimizer(
+        keras.optimizers.SGD(schedule), backward_passes_per_step=2
+    )
+    for _ in range(4):
+        optimizer.apply([tf.constant([1.0])], [variable])
+    np.testing.assert_array_equal(variable.numpy(), [-(2.0 * 1.0 + 2.0 * 0.5)])
+
+
+def test_refuses_two_kinds_of_accumulation():
+    optimizer = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=received(
+        "backward_passes_per_step=2, gradient_accumulation_steps=2"
+    )):
+        kr.DistributedOptimizer(optimizer, backward_passes_per_step=2)
+    kr.DistributedOptimizer(optimizer)
 
 
 def test_variables_of_the_build_serve_apply_without_variables():
@@ -566,3 +636,95 @@ def test_tape_is_a_context_manager_and_forwards_the_tape_api():
 def test_tape_refuses_what_is_not_a_tape():
     with pytest.raises(TypeError, match=r"Received: gradtape=None$"):
         kr.DistributedGradientTape(None)
+
+
+# Local variables and layers. With one rank a local gradient is the
+# gradient itself (divided by a size of 1): the values across ranks are
+# checked by tests/workers/local_variables_worker.py.
+
+
+def test_partial_optimizer_trains_as_the_plain_optimizer_and_saves_as_it(tmp_path):
+    model = build_model()
+    optimizer = kr.PartialDistributedOptimizer(
+        keras.optimizers.Adam(0.01, name="opt"), local_layers=model.layers[0]
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
+    plain = train(keras.optimizers.Adam(0.01, name="opt"))
+    assert_same_state(model, plain)
+    assert keras.saving.serialize_keras_object(optimizer) == (
+        keras.saving.serialize_keras_object(plain.optimizer)
+    )
+    model.save(tmp_path / "model.keras")
+    restored = kr.load_model(tmp_path / "model.keras")
+    assert type(restored.optimizer).__name__ == "DistributedAdam"
+    assert_same_state(restored, model)
+    restored.optimizer.register_local_var(restored.layers[0].kernel)
+    restored.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "local_layers", ["dense", [keras.layers.Dense(1), "dense"], keras.Variable(1.0)],
+    ids=["string", "list with a string", "variable"],
+)
+def test_local_layers_are_checked(local_layers):
+    optimizer = keras.optimizers.SGD()
+    with pytest.raises(ValueError, match=r"`local_layers` must be a keras.layers.Layer"):
+        kr.PartialDistributedOptimizer(optimizer, local_layers=local_layers)
+    assert type(optimizer) is keras.optimizers.SGD
+    with pytest.raises(ValueError, match=r"`local_layers` must be a keras.layers.Layer"):
+        kr.PartialDistributedGradientTape(tf.GradientTape(), local_layers=local_layers)
+
+
+@pytest.mark.parametrize("api", ["optimizer", "tape"])
+def test_scale_local_gradients_is_checked(api):
+    with pytest.raises(ValueError, match=received("scale_local_gradients=1")):
+        if api == "optimizer":
+            kr.DistributedOptimizer(keras.optimizers.SGD(), scale_local_gradients=1)
+        else:
+            kr.DistributedGradientTape(tf.GradientTape(), scale_local_gradients=1)
+
+
+def test_local_variables_need_the_variables_of_the_gradients():
+    variable = keras.Variable([1.0])
+    plain = keras.optimizers.SGD(1.0)
+    plain.build([variable])
+    optimizer = kr.DistributedOptimizer(plain)
+    optimizer.register_local_var(variable)
+    with pytest.raises(ValueError, match="has local variables, so it needs the variables"):
+        optimizer.apply([tf.constant([1.0])])
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_tape_splits_local_and_global_gradients(mode):
+    model = embedding_model()
+    embeddings, kernel, bias = model.trainable_variables
+    x = tf.constant([[1, 2, 2], [3, 1, 0]])
+
+    paths = {}
+
+    def gradients():
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_sum(model(x))
+        partial = kr.PartialDistributedGradientTape(tape, local_layers=[model.layers[-1]])
+        local, shared = partial.get_local_and_global_gradients(loss, model.trainable_variables)
+        paths.update(local=[v.path for v, _ in local], shared=[v.path for v, _ in shared])
+        split = [g for _, g in local + shared]
+        return split, tape.gradient(loss, model.trainable_variables)
+
+    split, plain = tf.function(gradients)() if mode == "function" else gradients()
+    assert paths == {"local": [kernel.path, bias.path], "shared": [embeddings.path]}
+    for g, expected in zip(split, plain[1:] + plain[:1]):
+        np.testing.assert_array_equal(tf.convert_to_tensor(g), tf.convert_to_tensor(expected))
+
+
+def test_local_layers_built_after_wrapping_count():
+    layer = keras.layers.Dense(1)
+    model = keras.Sequential([keras.layers.Dense(2), layer])
+    with kr.PartialDistributedGradientTape(tf.GradientTape(), local_layers=layer) as tape:
+        loss = tf.reduce_sum(model(tf.ones([1, 3])))
+    first_kernel = model.layers[0].kernel
+    tape.register_local_source(first_kernel)
+    local, shared = tape.get_local_and_global_gradients(loss, model.trainable_variables)
+    assert [v.path for v, _ in local] == [first_kernel.path, layer.kernel.path, layer.bias.path]
+    assert [v.path for v, _ in shared] == [model.layers[0].bias.path]

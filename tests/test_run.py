@@ -1,6 +1,7 @@
 """kr.run: workers started from Python, results, exceptions, output and interruption."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,41 @@ def test_a_workers_exception_is_raised_with_its_rank_and_traceback():
 def test_np_is_checked():
     with pytest.raises(ValueError, match="Received: np=0"):
         kr.run(print, np=0)
+
+
+def test_horovods_arguments_in_its_order(capfd, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost:2\n")
+    # func, args, kwargs, num_proc: Horovod's positions.
+    results = kr.run(
+        rank_and_size, (10,), None, 2, hostfile=str(hostfile), verbose=True, use_mpi=True,
+        disable_cache=True, executable=sys.executable,
+    )
+    assert results == [(0, 2), (10, 2)]
+    assert f"-f {hostfile} -np 2" in capfd.readouterr().out  # the launcher's command
+
+
+@pytest.mark.parametrize(
+    "kwargs, shown",
+    [
+        ({"use_gloo": True}, "use_gloo=True"),
+        ({"num_proc": 0}, "num_proc=0"),
+        ({"num_proc": 2, "np": 3}, "num_proc=2, np=3"),
+        ({"hosts": "a:2", "hostfile": "hosts"}, "hosts='a:2', hostfile='hosts'"),
+        ({"min_num_proc": 1}, "min_num_proc=1"),
+        ({"host_discovery_script": "discover.sh"}, "host_discovery_script='discover.sh'"),
+        ({"slots": 2}, "slots=2"),
+        ({"start_timeout": 30}, "start_timeout=30"),
+        ({"ssh_port": 22}, "ssh_port=22"),
+        ({"output_filename": "logs"}, "output_filename='logs'"),
+        ({"mpi_args": "-x A"}, "mpi_args='-x A'"),
+        ({"network_interfaces": ["eth0"]}, "network_interfaces=['eth0']"),
+    ],
+    ids=lambda v: str(v)[:30],
+)
+def test_what_it_cannot_honour_is_refused(kwargs, shown):
+    with pytest.raises(ValueError, match=re.escape(f"Received: {shown}") + "$"):
+        kr.run(print, **kwargs)
 
 
 class _ScriptCaller:

@@ -397,6 +397,26 @@ def test_allreduce_of_indexed_slices_rejects_scale_factors(scale):
         kr.allreduce(slices, op=kr.Sum, **{scale: 0.5})
 
 
+ADASUM_REFUSED = r"Adasum is not offered by keras-ring: use op=keras_ring.Average"
+
+
+@pytest.mark.parametrize(
+    "collective",
+    [
+        lambda: kr.allreduce(tf.ones([2]), op=kr.Adasum),
+        lambda: kr.allreduce(tf.IndexedSlices(tf.ones([1]), tf.constant([0])), op=kr.Adasum),
+        lambda: kr.grouped_allreduce([tf.ones([2])], op=kr.Adasum),
+        lambda: kr.reducescatter(tf.ones([2]), op=kr.Adasum),
+        lambda: kr.grouped_reducescatter([tf.ones([2])], op=kr.Adasum),
+    ],
+    ids=["allreduce", "allreduce_slices", "grouped_allreduce", "reducescatter",
+         "grouped_reducescatter"],
+)
+def test_adasum_is_refused(collective):
+    with pytest.raises(NotImplementedError, match=ADASUM_REFUSED):
+        collective()
+
+
 def gradient(mode, fn, x, upstream):
     """d sum(fn(x) * upstream) / dx, eagerly or in a tf.function."""
 

@@ -1,5 +1,6 @@
 """BroadcastGlobalVariablesCallback: one starting state for every rank."""
 
+import keras
 import tensorflow as tf
 
 from keras_ring import _basics, _ops, _optimizer
@@ -30,7 +31,11 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
       first step ran from its own initial weights.
 
     Random-number states (the seeds of `Dropout` and similar layers) are not
-    broadcast: each rank keeps its own randomness.
+    broadcast: each rank keeps its own randomness. Nor are `local_variables`
+    (and those given to `register_local_var`): model variables that each
+    rank keeps, such as those of the local layers of a
+    `PartialDistributedOptimizer`. The optimizer's variables are all
+    broadcast, as Horovod does.
 
     It broadcasts at the start of every `fit` it is passed to, so weights
     loaded on the root between two `fit` calls reach every rank too.
@@ -43,9 +48,13 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
         root_rank: The rank whose state every rank receives.
         device: The device on which to broadcast; by default TensorFlow's
             choice.
+        local_variables: A model variable (`keras.Variable` or
+            `tf.Variable`) or a list of them, not broadcast: each rank keeps
+            its own. They may differ between ranks in shape too.
 
     Raises:
-        ValueError: If `root_rank` is not a non-negative integer; at the start
+        ValueError: If `root_rank` is not a non-negative integer or
+            `local_variables` holds anything but variables; at the start
             of training, if it is not a rank of the job, if the ranks' models
             or optimizers differ (each rank's variables are named), or if a
             `LossScaleOptimizer` wraps the distributed optimizer (as `compile`
@@ -61,13 +70,37 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
     ```
     """
 
-    def __init__(self, root_rank, device=""):
+    def __init__(self, root_rank, device="", local_variables=None):
         super().__init__()
         check_integer("root_rank", root_rank, 0)
         self.root_rank = int(root_rank)
         self.device = device
         self._fit = None
         self._pending = False  # a lazily built model not yet broadcast in this `fit`
+        # By id (Keras 3 variables are not hashable by value), kept alive so
+        # that their ids are not reused.
+        self._local_variables = {}
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        if not isinstance(local_variables, (list, tuple)) or not all(
+            _is_variable(v) for v in local_variables
+        ):
+            raise ValueError(
+                "`local_variables` must be a variable (keras.Variable or tf.Variable) or a list "
+                f"of them. Received: local_variables={local_variables!r}"
+            )
+        for variable in local_variables:
+            self.register_local_var(variable)
+
+    def register_local_var(self, var):
+        """Leaves `var` out of the broadcast: each rank keeps its own value.
+
+        Args:
+            var: A variable of the model.
+        """
+        self._local_variables[id(var)] = var
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -112,7 +145,8 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
         optimizer = self.model.optimizer
         if not optimizer.built:
             optimizer.build(self.model.trainable_weights)
-        return list(self.model.weights) + list(optimizer.variables)
+        model = [v for v in self.model.weights if id(v) not in self._local_variables]
+        return model + list(optimizer.variables)
 
     def _check_same_variables(self, point, variables):
         """Raises on every rank unless all ranks have variables of the same shapes and dtypes."""
@@ -137,3 +171,7 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
             f"The first difference is variable {first}: {at_first}. Build the same model and "
             "the same optimizer on every rank."
         )
+
+
+def _is_variable(value):
+    return isinstance(value, (keras.Variable, tf.Variable))

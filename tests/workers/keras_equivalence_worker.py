@@ -131,12 +131,25 @@ def rank_rows(array):
     return batches[:, RANK * BATCH : (RANK + 1) * BATCH].reshape(-1, *array.shape[1:])
 
 
+def skip_passes(optimizer, passes):
+    """Advances the step count by the passes that only accumulate.
+
+    With backward_passes_per_step, `iterations` counts batches (as Horovod's),
+    and Adam's bias correction reads it.
+    """
+    optimizer.iterations.assign_add(passes - 1)
+
+
 def reference_fit(kind, optimizer, passes=1, data=None):
     """Plain Keras on one rank: `model.fit` at batch SIZE * BATCH * passes."""
     model = build_model(kind)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     x, y = global_data(kind, passes) if data is None else data
-    model.fit(x, y, batch_size=SIZE * BATCH * passes, shuffle=False, verbose=0)
+    passed = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: skip_passes(optimizer, passes)
+    )
+    model.fit(x, y, batch_size=SIZE * BATCH * passes, shuffle=False, verbose=0,
+              callbacks=[passed])
     return model
 
 
@@ -157,6 +170,7 @@ def reference_dense_gradients(kind, optimizer, passes=1):
         with tf.GradientTape() as tape:
             loss = loss_fn(y[rows], model(x[rows], training=True))
         grads = tape.gradient(loss, model.trainable_variables)
+        skip_passes(optimizer, passes)
         optimizer.apply([tf.convert_to_tensor(g) for g in grads], model.trainable_variables)
     return model
 
