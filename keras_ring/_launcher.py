@@ -86,11 +86,44 @@ _SIGNALS_BY_DESCRIPTION = {
 _FORKER_SEGMENT_FORMATS = ("/dev/shm/mpich_shm_{:x}_0", "/dev/shm/mpich_vci_{:x}_0")
 # Under the forker each rank starts through this script, which hands it our output.
 _RANK_OUTPUT_SCRIPT = Path(_rank_output.__file__)
-# --prefix-output under the forker: an unfinished line is written after this much quiet,
-# or once it is this long; pipes a rank's child keeps open are read this long after the job.
+# A rank's pipe under the forker (--prefix-output, or stderr quieted): an unfinished line is
+# written after this much quiet, or once it is this long; pipes a rank's child keeps open are
+# read this long after the job.
 _PARTIAL_LINE_SECONDS = 0.1
 _MAX_PARTIAL_LINE = 65536
 _DRAIN_SECONDS = 5
+# TensorFlow's start-up lines that say the same on every rank of a host (about its build, the
+# CPU, the CUDA libraries), most written before absl's logging is set up, where
+# TF_CPP_MIN_LOG_LEVEL does not reach. Under the forker ranks other than 0 leave them out of their
+# stderr (docs/decisions/0001-quiet-ranks.md): only a whole line that is one of these, possibly
+# after the `[rank] ` that kr.run's workers add.
+_TF_LOG_HEADER = (
+    # absl's, whose seconds count from 1970 before it is set up: I0000 00:00:1796176450.224363 5878
+    rb"(?:[IWE]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ "
+    rb"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] )"  # TF's own: 2025-02-09 09:37:32.334667: E
+    rb"[\w./-]+:\d+\] "
+)
+_TF_START_UP_MESSAGES = (
+    "oneDNN custom operations are on. You may see slightly different numerical results due to "
+    "floating-point round-off errors from different computation orders. To turn them off, set "
+    "the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.",
+    "This TensorFlow binary is optimized to use available CPU instructions in "
+    "performance-critical operations.",
+    "Could not find cuda drivers on your machine, GPU will not be used.",
+    *(f"Unable to register {plugin} factory: Attempting to register factory for plugin {plugin} "
+      "when one has already been registered" for plugin in ("cuDNN", "cuFFT", "cuBLAS")),
+    "computation placer already registered. Please check linkage and avoid linking the same "
+    "target more than once.",
+    "TF-TRT Warning: Could not find TensorRT",
+)
+_TF_START_UP_LINE = re.compile(
+    rb"(?:\[\d+\] )?(?:"
+    rb"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    rb"|To enable the following instructions: [\w ]+, in other operations, rebuild TensorFlow "
+    rb"with the appropriate compiler flags\."
+    rb"|" + _TF_LOG_HEADER + rb"(?:"
+    + b"|".join(re.escape(m.encode()) for m in _TF_START_UP_MESSAGES) + rb"))\r?\n"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +318,8 @@ def parse_args(argv):
 
     Returns:
         An `argparse.Namespace` with `np`, `hosts` (a list of `(host, slots)`
-        or `None`), `hostfile`, `prefix_output`, `verbose` and `command`.
+        or `None`), `hostfile`, `prefix_output`, `all_output`, `verbose`,
+        `settings` and `command`.
 
     Raises:
         LaunchError: on a missing or invalid argument.
@@ -305,6 +339,10 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--prefix-output", action="store_true", help="prefix every output line with its rank"
+    )
+    parser.add_argument(
+        "--all-output", action="store_true",
+        help="keep every rank's TensorFlow start-up lines (on one host, by default only rank 0's)"
     )
     parser.add_argument(
         "--verbose", action="store_true", help="print the launcher command before running it"
@@ -478,7 +516,7 @@ def launcher_env(launcher, options, environ):
     return env
 
 
-def run_job(argv, env, forker=False, prefix_output=False, np=1):
+def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
     """Runs the launcher until the job ends, passing on SIGINT, SIGTERM and SIGHUP.
 
     Args:
@@ -491,7 +529,9 @@ def run_job(argv, env, forker=False, prefix_output=False, np=1):
             through the forker (`argv` starts them through `_rank_output.py`).
         prefix_output: Under the forker: whether each line a rank writes is
             prefixed with `[rank] `.
-        np: Under the forker with `prefix_output`: the number of ranks.
+        quiet: Under the forker: whether ranks other than 0 leave TensorFlow's
+            start-up lines out of their stderr.
+        np: Under the forker: the number of ranks.
 
     Returns:
         The job's exit code: the launcher's, or 128 + N when the launcher,
@@ -500,7 +540,7 @@ def run_job(argv, env, forker=False, prefix_output=False, np=1):
     # The forker's segment names follow from its pid: clear a dead job's
     # leftovers under them in the child, before any rank can exist.
     clear_names = (lambda: remove_forker_segments(os.getpid())) if forker else None
-    outputs = _RankOutputs(np if prefix_output else 0) if forker else None
+    outputs = _RankOutputs(np, prefix_output, quiet) if forker else None
     if outputs:
         env = {**env, _rank_output.VARIABLE: outputs.variable}
     try:
@@ -547,24 +587,36 @@ def run_job(argv, env, forker=False, prefix_output=False, np=1):
 class _RankOutputs:
     """The file descriptors a forker job's ranks write their stdout and stderr to.
 
-    Without prefixes every rank gets copies of this process's own stdout and
-    stderr; with them, each rank gets two pipes of its own, whose lines
-    `_relay_forker_output` copies with the rank's prefix.
+    A rank writes to a copy of this process's stdout or stderr, unless
+    `_relay_forker_output` has to change what it writes: then to a pipe of its
+    own, copied by a `_RankStream`. With prefixes that is every rank's stdout
+    and stderr; quiet, the stderr of ranks other than 0.
     """
 
-    def __init__(self, prefixed_ranks):
+    def __init__(self, np, prefix, quiet):
         self.streams = []
-        if prefixed_ranks:
-            self.handed_down = []
-            for rank in range(prefixed_ranks):
-                for dest in (sys.stdout, sys.stderr):
-                    read_end, write_end = os.pipe()
-                    self.handed_down.append(write_end)
-                    self.streams.append(_PrefixedStream(read_end, rank, dest))
-        else:
-            self.handed_down = [os.dup(sys.stdout.fileno()), os.dup(sys.stderr.fileno())]
-        pairs = zip(self.handed_down[::2], self.handed_down[1::2])
-        self.variable = " ".join(f"{out},{err}" for out, err in pairs)
+        self.handed_down = []
+        copies = {}
+        pairs = []
+        for rank in range(np):
+            pair = []
+            for dest in (sys.stdout, sys.stderr):
+                quiet_here = quiet and rank > 0 and dest is sys.stderr
+                if prefix or quiet_here:
+                    read_end, fd = os.pipe()
+                    self.handed_down.append(fd)
+                    self.streams.append(
+                        _RankStream(read_end, dest, f"[{rank}] " if prefix else "", quiet_here)
+                    )
+                else:
+                    if dest not in copies:
+                        copies[dest] = os.dup(dest.fileno())
+                        self.handed_down.append(copies[dest])
+                    fd = copies[dest]
+                pair.append(f"{fd}")
+            pairs.append(",".join(pair))
+        # One pair serves every rank when all ranks share it.
+        self.variable = " ".join(pairs if len(set(pairs)) > 1 else pairs[:1])
 
     def close_handed_down(self):
         """Closes this process's copies of the ranks' ends, so that a rank's pipe ends with it."""
@@ -572,21 +624,30 @@ class _RankOutputs:
             os.close(fd)
 
 
-class _PrefixedStream:
-    """One rank's stdout or stderr pipe, copied to ours with `[rank] ` before each line.
+class _RankStream:
+    """One rank's stdout or stderr pipe, copied to ours line by line.
 
-    A carriage return starts a line too, so that a progress bar redrawn in
-    place (Keras's) keeps its prefix. Whole lines are written as they come, so
-    that ranks' lines do not mix; the unfinished end of a line waits until more
-    comes, the pipe is quiet (`flush`), or it grows past `_MAX_PARTIAL_LINE`.
+    With a prefix, `prefix` goes before each line; a carriage return starts a
+    line too, so that a progress bar redrawn in place (Keras's) keeps it.
+    Quiet, the lines `_TF_START_UP_LINE` matches are left out. Whole lines are
+    written as they come, one write each, so that ranks' lines do not mix; the
+    unfinished end of a line waits until more comes, the pipe is quiet
+    (`flush`), or it grows past `_MAX_PARTIAL_LINE`.
+
+    Args:
+        fd: The pipe's read end.
+        dest: `sys.stdout` or `sys.stderr`.
+        prefix: What goes before each line, e.g. `"[1] "`, or `""`.
+        quiet: Whether TensorFlow's start-up lines are left out.
     """
 
     _LINE_ENDS = re.compile(rb"(?<=\n)|(?<=\r)(?!\n)")
 
-    def __init__(self, fd, rank, dest):
+    def __init__(self, fd, dest, prefix, quiet):
         self.fd = fd
         self.dest = dest.buffer
-        self.prefix = f"[{rank}] ".encode()
+        self.prefix = prefix.encode()
+        self.quiet = quiet
         self.partial = b""  # read but not yet written
         self.line_start = True  # whether the next byte written starts a line
 
@@ -605,16 +666,17 @@ class _PrefixedStream:
         return self._write(data)
 
     def _write(self, data):
-        if not data:
-            return True
-        text = []
-        for piece in self._LINE_ENDS.split(data):
-            if piece:
-                text += [self.prefix, piece] if self.line_start else [piece]
-                self.line_start = piece.endswith((b"\n", b"\r"))
         try:
-            self.dest.write(b"".join(text))
-            self.dest.flush()
+            for piece in self._LINE_ENDS.split(data):
+                # A line cut by `flush` or `_MAX_PARTIAL_LINE` is shown: its halves match nothing.
+                if not piece or (self.quiet and self.line_start
+                                 and _TF_START_UP_LINE.fullmatch(piece)):
+                    continue
+                # One write per line, as a rank writes its own: where other ranks write to the
+                # same pipe directly, their lines and ours (up to 4 KiB) do not cut into each other.
+                self.dest.write(self.prefix + piece if self.line_start else piece)
+                self.dest.flush()
+                self.line_start = piece.endswith((b"\n", b"\r"))
         except BrokenPipeError:
             return False
         return True
@@ -769,4 +831,5 @@ def main(argv=None):
         ]
         print(f"keras-ring-run: {shlex.join(changed + argv)}", file=sys.stderr, flush=True)
     return run_job(argv, env, forker=argv[0] == launcher.forker,
-                   prefix_output=options.prefix_output, np=options.np)
+                   prefix_output=options.prefix_output, quiet=not options.all_output,
+                   np=options.np)

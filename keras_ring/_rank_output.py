@@ -8,8 +8,10 @@ the rank's next write fails with `BrokenPipeError`. So `keras-ring-run` starts
 each rank through this script, which puts the file descriptors that the
 launcher handed down (through the forker, which passes them on) in place of
 the forker's pipes and then becomes the rank's command (`exec`): the rank
-writes to the launcher's stdout and stderr directly, or, with
-`--prefix-output`, to a pipe of its own that the launcher prefixes line by line.
+writes to the launcher's stdout and stderr directly, or to pipes of its own
+that the launcher copies line by line: both with `--prefix-output`, which
+prefixes each line, and otherwise the stderr of ranks other than 0, from which
+TensorFlow's start-up lines are left out.
 
 `python -I -S _rank_output.py COMMAND...`, run by path so that nothing else is
 imported. `KERAS_RING_RANK_OUTPUT_FDS` holds `OUT,ERR` (one pair for every

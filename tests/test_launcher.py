@@ -162,6 +162,11 @@ def test_one_host_hydra_job_stays_on_loopback():
     ]
 
 
+START_UP_NOTICE = (
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+)
+
+
 class _Destination:
     def __init__(self):
         self.buffer = io.BytesIO()
@@ -169,7 +174,7 @@ class _Destination:
 
 def test_prefixed_rank_output_keeps_lines_whole_and_prefixes_redrawn_lines():
     dest = _Destination()
-    stream = _launcher._PrefixedStream(-1, 3, dest)
+    stream = _launcher._RankStream(-1, dest, "[3] ", quiet=False)
     assert stream.feed(b"a\nb")  # "b" waits for the rest of its line
     assert dest.buffer.getvalue() == b"[3] a\n"
     stream.feed(b"c\r\n")  # one line ending, not a redraw
@@ -183,13 +188,44 @@ def test_prefixed_rank_output_keeps_lines_whole_and_prefixes_redrawn_lines():
     )
 
 
+def test_quiet_rank_output_leaves_out_only_whole_start_up_lines():
+    dest = _Destination()
+    stream = _launcher._RankStream(-1, dest, "", quiet=True)
+    notice = START_UP_NOTICE
+    stream.feed(notice + b"\nI0000 00:00:1796176450.224693    5878 cudart_stub.cc:31] Could not")
+    stream.feed(b" find cuda drivers on your machine, GPU will not be used.\r\n")
+    stream.feed(b"[1] " + notice + b"\n")  # as kr.run's workers write it
+    error = b"E0000 00:00:1796176510.612931    5878 cuda_platform.cc:52] failed call to cuInit\n"
+    stream.feed(error)
+    stream.feed(notice[:20])
+    stream.flush()  # cut by the pipe going quiet: shown
+    stream.feed(notice[20:] + b"\nrank 1: " + notice + b"\n" + notice + b" and more\n")
+    assert dest.buffer.getvalue() == (
+        error + notice + b"\nrank 1: " + notice + b"\n" + notice + b" and more\n"
+    )
+
+
+def test_rank_output_writes_each_line_at_once():
+    class Writes:
+        class buffer:  # noqa: N801 -- stands for sys.stderr.buffer
+            written = []
+            write = written.append
+
+            def flush():
+                pass
+
+    stream = _launcher._RankStream(-1, Writes, "", quiet=True)
+    stream.feed(b"a\n" + START_UP_NOTICE + b"\nb\r2/2\n")
+    assert Writes.buffer.written == [b"a\n", b"b\r", b"2/2\n"]
+
+
 def test_prefixed_rank_output_tells_when_its_reader_has_gone():
     class Closed:
         class buffer:  # noqa: N801 -- stands for sys.stdout.buffer
             def write(data):
                 raise BrokenPipeError
 
-    assert not _launcher._PrefixedStream(-1, 0, Closed).feed(b"line\n")
+    assert not _launcher._RankStream(-1, Closed, "[0] ", quiet=False).feed(b"line\n")
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", socket.gethostname()])
