@@ -10,7 +10,6 @@ collected and reported at the end (exit 1); an unexpected exception exits at
 once, and the launcher then stops the other ranks.
 """
 
-import contextlib
 import json
 import os
 
@@ -263,23 +262,6 @@ def scenario_rank_zero_files(out_dir):
         )
 
 
-@contextlib.contextmanager
-def logged():
-    """Collects what keras-ring logs (on file descriptor 2) meanwhile, as lines."""
-    lines = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield lines
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            log.seek(0)
-            lines += log.read().splitlines()
-
-
 def expect_error(tag, fit, *fragments):
     """Runs `fit`, which must raise a RuntimeError containing `fragments` within GUARD_SECONDS."""
     start = time.monotonic()
@@ -299,40 +281,6 @@ def expect_error(tag, fit, *fragments):
 
 def scenario_guard(out_dir):
     """Ranks out of step raise an actionable error on every rank instead of waiting."""
-    steps = [f"rank {r}: {4 + r}" for r in range(SIZE)]
-
-    # Known lengths (arrays): caught at the start of training.
-    x, y = data(4 + RANK, seed=RANK)
-    expect_error(
-        "known steps",
-        lambda: small_model().fit(
-            x,
-            y,
-            batch_size=BATCH,
-            verbose=0,
-            callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)],
-        ),
-        "different numbers of steps per epoch",
-        *steps,
-        "shard_dataset",
-    )
-
-    # Unknown lengths: caught where the first rank runs out of data.
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(BATCH)
-    with logged() as lines:
-        expect_error(
-            "unknown steps",
-            lambda: small_model().fit(
-                dataset, verbose=0, callbacks=[kr.callbacks.MetricAverageCallback()]
-            ),
-            "out of step",
-            "rank 0 has ended epoch 1 after 4 steps",
-            "rank 1 is starting step 6 of epoch 1",
-            "AgreedStoppingCallback",
-        )
-    unknown_warnings = [line for line in lines if "unknown length" in line]
-    check(len(unknown_warnings) == (RANK == 0), f"unknown-length warnings: {unknown_warnings}")
-
     # A rank that stops alone, although every train step communicates: caught
     # at the start of the next step, before the train step's collective.
     x, y = data(6, seed=RANK)
