@@ -42,7 +42,10 @@ instead of waiting forever.
 steps average their gradients with zeros from it, as `Average` over all ranks
 (Horovod's `join`). Before validating or ending the epoch, every rank takes
 the model's and optimizer's state from the lowest rank that ran the most
-steps, so the ranks hold the same weights again.
+steps, so the ranks hold the same weights again. With `steps_per_execution`
+above 1 a rank whose data runs out inside a call of the train function
+cannot join: the ranks must then run the same number of steps, which is
+checked at train begin when Keras knows them.
 
 These callbacks must be passed on every rank, in the same order. With one
 rank they do nothing.

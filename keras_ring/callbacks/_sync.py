@@ -59,6 +59,21 @@ NOT_DISTRIBUTED_WARNING = (
     "optimizer. (A train_step of your own that reduces gradients with "
     "keras_ring.DistributedGradientTape needs neither.)"
 )
+STEPS_ADVICE = (
+    "A rank whose data runs out in the middle of a call of the train function cannot join "
+    "the others' remaining steps, so with steps_per_execution > 1 every rank must run the "
+    "same number of steps in each epoch: shard with keras_ring.shard_dataset(dataset, "
+    "drop_remainder=True) before batching, or pass steps_per_epoch to fit() no larger than the "
+    "smallest rank's number of batches (with dataset.repeat()), or compile with "
+    "steps_per_execution=1, with which ranks that run different numbers of steps train together."
+)
+UNKNOWN_STEPS_WARNING = (
+    "Keras does not know the number of steps per epoch (the data has an unknown length), so "
+    "keras-ring cannot check before training that all ranks run the same number, which "
+    "steps_per_execution={per_call} needs: a rank whose data runs out first leaves the others "
+    "waiting in their gradient allreduce, and the job fails after "
+    "KERAS_RING_STALL_SHUTDOWN_TIME seconds (default 600). " + STEPS_ADVICE
+)
 STOP_ADVICE = (
     "If a callback stopped training on some ranks only (EarlyStopping, TerminateOnNaN), put "
     "keras_ring.callbacks.AgreedStoppingCallback() after it in the callbacks list."
@@ -234,13 +249,26 @@ class _StepGuard:
             return
         epochs = int(params.get("epochs") or 0)
         distributed = _optimizer.is_distributed(model.optimizer)
-        low, high = self.exchange(TRAIN_BEGIN, GUARD, (epochs, distributed))
+        # Several steps per call of the train function: a rank whose data runs
+        # out within a call ends it early, before a callback could join.
+        per_call = int(getattr(model, "steps_per_execution", 1) or 1)
+        planned = params.get("steps") if per_call > 1 else 0
+        planned = -1 if planned is None else int(planned)
+        low, high = self.exchange(TRAIN_BEGIN, GUARD, (epochs, distributed, planned))
         if low[0] != high[0]:
             counts = per_rank(gather([epochs])[:, 0])
             raise RuntimeError(
                 f"keras-ring: the ranks would train for different numbers of epochs ({counts}). "
                 "Pass the same `epochs` (and `initial_epoch`) to fit() on every rank."
             )
+        if low[2] >= 0 and low[2] != high[2]:
+            counts = per_rank(gather([planned])[:, 0])
+            raise RuntimeError(
+                "keras-ring: the ranks would run different numbers of steps per epoch "
+                f"({counts}) with steps_per_execution={per_call}. {STEPS_ADVICE}"
+            )
+        if low[2] < 0 and _basics.size() > 1 and _basics.rank() == 0:
+            _log.warning(UNKNOWN_STEPS_WARNING.format(per_call=per_call), once=True)
         if low[1] != high[1]:
             which = per_rank("yes" if d else "no" for d in gather([distributed])[:, 0])
             raise RuntimeError(

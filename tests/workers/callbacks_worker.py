@@ -10,6 +10,7 @@ collected and reported at the end (exit 1); an unexpected exception exits at
 once, and the launcher then stops the other ranks.
 """
 
+import contextlib
 import json
 import os
 
@@ -57,7 +58,7 @@ def state(variables):
     )
 
 
-def small_model(optimizer=None, model_class=keras.Sequential):
+def small_model(optimizer=None, model_class=keras.Sequential, steps_per_execution=1):
     model = model_class(
         [
             keras.Input((3,)),
@@ -66,7 +67,8 @@ def small_model(optimizer=None, model_class=keras.Sequential):
             keras.layers.Dense(1),
         ]
     )
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01), loss="mse")
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01), loss="mse",
+                  steps_per_execution=steps_per_execution)
     return model
 
 
@@ -262,6 +264,23 @@ def scenario_rank_zero_files(out_dir):
         )
 
 
+@contextlib.contextmanager
+def logged():
+    """Collects what keras-ring logs (on file descriptor 2) meanwhile, as lines."""
+    lines = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            lines += log.read().splitlines()
+
+
 def expect_error(tag, fit, *fragments):
     """Runs `fit`, which must raise a RuntimeError containing `fragments` within GUARD_SECONDS."""
     start = time.monotonic()
@@ -281,6 +300,33 @@ def expect_error(tag, fit, *fragments):
 
 def scenario_guard(out_dir):
     """Ranks out of step raise an actionable error on every rank instead of waiting."""
+    # Several steps per call of the train function: ranks with different numbers of
+    # batches cannot join each other's remaining steps, caught at the start of training.
+    x, y = data(4 + RANK, seed=RANK)
+    expect_error(
+        "known steps",
+        lambda: small_model(steps_per_execution=2).fit(
+            x,
+            y,
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)],
+        ),
+        "different numbers of steps per epoch",
+        *[f"rank {r}: {4 + r}" for r in range(SIZE)],
+        "steps_per_execution=2",
+        "shard_dataset",
+    )
+    # Of unknown length: rank 0 warns that it cannot check (here the lengths agree).
+    x, y = data(4, seed=RANK)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(BATCH)
+    with logged() as lines:
+        small_model(steps_per_execution=2).fit(
+            dataset, verbose=0, callbacks=[kr.callbacks.MetricAverageCallback()]
+        )
+    unknown_warnings = [line for line in lines if "unknown length" in line]
+    check(len(unknown_warnings) == (RANK == 0), f"unknown-length warnings: {unknown_warnings}")
+
     # A rank that stops alone, although every train step communicates: caught
     # at the start of the next step, before the train step's collective.
     x, y = data(6, seed=RANK)
