@@ -24,24 +24,28 @@ model.fit(x, y, validation_data=(x_val, y_val), callbacks=callbacks,
           verbose=kr.rank_zero_verbose(1))
 ```
 
-**Ranks in step.** Every rank must run the same number of steps in each
-epoch: a rank that runs out of data early, or stops on its own, leaves the
-others waiting for it in their next collective. The callbacks that
-communicate (`BroadcastGlobalVariablesCallback`, `MetricAverageCallback`,
-`AgreedStoppingCallback`, `BackupAndRestore`) therefore check that all ranks are at the same
-point, with one small allreduce at the start of training, at the start of
-each step (before the step's own collectives), at the end of each epoch and
-at the end of training. Together they check each point once: one small
-allreduce per step, measured at 0.1 to 0.5 ms with 2 ranks on a 2-core host.
-When the ranks are not in step (different numbers of batches, a rank that
-stopped alone), every rank raises a `RuntimeError` that says where each rank
-is and what to change, instead of waiting forever. At the start of training
-they also compare the steps per epoch when Keras knows them (arrays, datasets
-of known length), so uneven data fails before the first step. For data of
-unknown length (after `dataset.filter()`) rank 0 warns: a rank finds that its
-data has run out inside its train step, and if that step communicates
-(`DistributedOptimizer`) the others are then waiting in it, past the reach of
-any callback.
+**Ranks in step.** A rank that stops on its own (EarlyStopping on one rank)
+leaves the others waiting for it in their next collective. The callbacks
+that communicate (`BroadcastGlobalVariablesCallback`, `MetricAverageCallback`,
+`AgreedStoppingCallback`, `BackupAndRestore`) therefore check that all ranks
+are at the same point, with one small allgather at the start of training, at
+the start of each step (before the step's own collectives), at the end of
+each epoch and at the end of training. Together they check each point once:
+one small collective per step. When the ranks are not in step, every rank
+raises a `RuntimeError` that says where each rank is and what to change,
+instead of waiting forever.
+
+**Uneven data.** Ranks may run different numbers of steps in an epoch
+(shards of different sizes, data of unknown length such as
+`Dataset.from_generator` or `filter`): a rank whose data runs out joins
+(`keras_ring.join`) at the end of its epoch's steps, and the others' remaining
+steps average their gradients with zeros from it, as `Average` over all ranks
+(Horovod's `join`). Before validating or ending the epoch, every rank takes
+the model's and optimizer's state from the lowest rank that ran the most
+steps, so the ranks hold the same weights again. With `steps_per_execution`
+above 1 a rank whose data runs out inside a call of the train function
+cannot join: the ranks must then run the same number of steps, which is
+checked at train begin when Keras knows them.
 
 These callbacks must be passed on every rank, in the same order. With one
 rank they do nothing.

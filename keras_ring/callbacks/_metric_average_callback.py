@@ -97,6 +97,7 @@ class MetricAverageCallback(_sync.SyncedCallback):
             logs.update((f"val_{k}", v) for k, v in validation.items() if f"val_{k}" in logs)
 
     def on_test_begin(self, logs=None):
+        super().on_test_begin(logs)
         if not self._in_fit and _basics.size() > 1 and _basics.rank() == 0:
             _log.warning(
                 "MetricAverageCallback cannot change what model.evaluate() returns (Keras "

@@ -1,22 +1,30 @@
 """Keeps the ranks in step during `fit`: the exchanges keras-ring's callbacks communicate through.
 
-A rank that has run out of data (or stopped training on its own) leaves its
-peers waiting in their next collective, which may be a gradient allreduce
-inside the train step: a hang, not an error. So every collective a keras-ring
-callback makes during `fit` is preceded, at the same point of training, by an
-*exchange*: one small allreduce under one fixed name that carries where this
-rank is (the point in `fit`, epoch, step) and which callback asks. Exchanges
-are eager and run one at a time, so the n-th exchange of every rank pairs with
-the n-th of the others: ranks that are out of step meet in an exchange (never
-in a gradient allreduce) and all of them raise the same error, naming where
-each rank is.
+A rank that stopped training on its own leaves its peers waiting in their
+next collective, which may be a gradient allreduce inside the train step: a
+hang, not an error. So every collective a keras-ring callback makes during
+`fit` is preceded, at the same point of training, by an *exchange*: one small
+allgather under one fixed name that carries where each rank is (the point in
+`fit`, epoch, step) and which callback asks. Exchanges are eager and run one
+at a time, so the n-th exchange of every rank pairs with the n-th of the
+others: ranks that are out of step meet in an exchange (never in a gradient
+allreduce) and all of them raise the same error, naming where each rank is.
+
+Ranks may run different numbers of steps in an epoch (uneven shards, data of
+unknown length). A rank whose steps have ended joins (`keras_ring.join`) at
+the end of its train loop, the first of fit's validation (`on_test_begin`)
+and `on_epoch_end`: the others' remaining steps run with zeros from it in
+their gradient allreduces, and their exchanges, being allgathers, go on
+without its row. Once every rank has joined, the ranks that ran the most
+steps broadcast the model's and the optimizer's state to the others, who
+missed the last updates.
 
 `SyncedCallback` is the base of the callbacks that communicate. Its hooks run
-the step guard: an exchange at train begin (which also compares the planned
-steps per epoch and the epochs), at each batch begin (before the train step's
-own collectives), at each epoch end and at train end (counting the ended
-steps at each batch end needs none). The callbacks of one `fit` share one
-guard, so the guard exchanges once per point however many keras-ring
+the step guard: an exchange at train begin (which also compares the epochs),
+at each batch begin (before the train step's own collectives), at the end of
+each epoch's train loop, at each epoch end and at train end (counting the
+ended steps at each batch end needs none). The callbacks of one `fit` share
+one guard, so the guard exchanges once per point however many keras-ring
 callbacks are in the list.
 """
 
@@ -24,13 +32,11 @@ import zlib
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_ring import _basics, _log, _ops, _optimizer
-from keras_ring._reduce_ops import Max
+from keras_ring import _basics, _log, _objects, _ops, _optimizer
 
 # Points in `fit`.
-TRAIN_BEGIN, BATCH_BEGIN, BATCH_END, EPOCH_END, TRAIN_END, TEST_END = range(1, 7)
+TRAIN_BEGIN, BATCH_BEGIN, BATCH_END, EPOCH_END, TRAIN_END, TEST_END, LOOP_END = range(1, 8)
 # Who exchanges: names each rank's position when ranks disagree.
 GUARD, VARIABLES, METRICS, STOP, BACKUP = range(5)
 _KINDS = {
@@ -40,28 +46,11 @@ _KINDS = {
     STOP: "AgreedStoppingCallback",
     BACKUP: "BackupAndRestore",
 }
-_POSITION = 4  # point, epoch, step, kind: must agree on every rank
-_VALUES = 3
+# A row of an exchange: the rank, then its position (point, epoch, step,
+# kind: must agree on every rank), then the values compared.
+_RANK, _POSITION, _VALUES = 1, 4, 3
 _NAME = "keras_ring.callbacks.sync"
 
-STEPS_ADVICE = (
-    "Every rank must run the same number of steps in each epoch. Give every rank the same "
-    "number of batches: shard with keras_ring.shard_dataset(dataset, drop_remainder=True) "
-    "before batching, or pass steps_per_epoch to fit() no larger than the smallest rank's "
-    "number of batches (with dataset.repeat())."
-)
-UNKNOWN_STEPS_WARNING = (
-    "Keras does not know the number of steps per epoch on every rank (the data "
-    "has an unknown length, as after dataset.filter()), so keras-ring cannot check before "
-    "training that all ranks run the same number. A rank whose data runs out first finds out "
-    "inside its train step; if that step communicates (DistributedOptimizer), the other ranks "
-    "then wait for it in their gradient allreduce, and the job fails after "
-    "KERAS_RING_STALL_SHUTDOWN_TIME seconds (default 600). Declare the length with "
-    "dataset.apply(tf.data.experimental.assert_cardinality(n)) on every rank, or pass "
-    "steps_per_epoch to fit() with dataset.repeat()."
-)
-# The engine's error for a tensor that some ranks waited for too long.
-_STALLED = "keras-ring: stalled:"
 NOT_DISTRIBUTED_WARNING = (
     "The model's optimizer is not a keras_ring.DistributedOptimizer, so each rank applies its "
     "own gradients and the ranks' weights drift apart. Compile with "
@@ -69,6 +58,21 @@ NOT_DISTRIBUTED_WARNING = (
     "keras_ring.load_model(path), not keras.models.load_model, which gives back the plain "
     "optimizer. (A train_step of your own that reduces gradients with "
     "keras_ring.DistributedGradientTape needs neither.)"
+)
+STEPS_ADVICE = (
+    "A rank whose data runs out in the middle of a call of the train function cannot join "
+    "the others' remaining steps, so with steps_per_execution > 1 every rank must run the "
+    "same number of steps in each epoch: shard with keras_ring.shard_dataset(dataset, "
+    "drop_remainder=True) before batching, or pass steps_per_epoch to fit() no larger than the "
+    "smallest rank's number of batches (with dataset.repeat()), or compile with "
+    "steps_per_execution=1, with which ranks that run different numbers of steps train together."
+)
+UNKNOWN_STEPS_WARNING = (
+    "Keras does not know the number of steps per epoch (the data has an unknown length), so "
+    "keras-ring cannot check before training that all ranks run the same number, which "
+    "steps_per_execution={per_call} needs: a rank whose data runs out first leaves the others "
+    "waiting in their gradient allreduce, and the job fails after "
+    "KERAS_RING_STALL_SHUTDOWN_TIME seconds (default 600). " + STEPS_ADVICE
 )
 STOP_ADVICE = (
     "If a callback stopped training on some ranks only (EarlyStopping, TerminateOnNaN), put "
@@ -79,7 +83,8 @@ STOP_ADVICE = (
 def exchange(point, epoch, step, kind, values=()):
     """Checks that all ranks are at the same point; reduces `values` over the ranks.
 
-    Collective: every rank must call it at the same point of `fit`.
+    Collective: every rank that has not joined must call it at the same point
+    of `fit`; joined ranks take no part.
 
     Args:
         point: Where in `fit` this rank is (`TRAIN_BEGIN`, ...).
@@ -96,17 +101,20 @@ def exchange(point, epoch, step, kind, values=()):
         RuntimeError: On every rank, if the ranks are not at the same point,
             naming where each rank is.
     """
-    mine = np.zeros(_POSITION + _VALUES, np.int64)
-    mine[:_POSITION] = (point, epoch, step, kind)
-    mine[_POSITION : _POSITION + len(values)] = values
-    if _basics.size() == 1:
-        return mine[_POSITION:], mine[_POSITION:]
-    # Max of (x, -x) gives the maximum and the minimum in one allreduce.
-    both = _ops.allreduce(np.concatenate([mine, -mine]), op=Max, name=_NAME).numpy()
-    high, low = both[: mine.size], -both[mine.size :]
-    if (low[:_POSITION] != high[:_POSITION]).any():
-        raise RuntimeError(_out_of_step_message(gather(mine)))
-    return low[_POSITION:], high[_POSITION:]
+    values = exchange_rows(point, epoch, step, kind, values)[:, 1:]
+    return values.min(axis=0), values.max(axis=0)
+
+
+def exchange_rows(point, epoch, step, kind, values=()):
+    """`exchange()`, returning one row `(rank, values...)` per rank that took part."""
+    mine = np.zeros(_RANK + _POSITION + _VALUES, np.int64)
+    mine[: _RANK + _POSITION] = (_basics.rank(), point, epoch, step, kind)
+    mine[_RANK + _POSITION : _RANK + _POSITION + len(values)] = values
+    rows = mine[None] if _basics.size() == 1 else _ops.allgather(mine[None], name=_NAME).numpy()
+    position = rows[:, _RANK : _RANK + _POSITION]
+    if (position != position[0]).any():
+        raise RuntimeError(_out_of_step_message(rows))
+    return np.delete(rows, np.s_[_RANK : _RANK + _POSITION], axis=1)
 
 
 def gather(values):
@@ -143,18 +151,20 @@ def _where(point, epoch, step):
         EPOCH_END: f"has ended epoch {epoch} after {step} steps",
         TRAIN_END: "has ended training",
         TEST_END: "has ended evaluating" if epoch < 1 else f"has ended validating epoch {epoch}",
+        LOOP_END: f"has ended the steps of epoch {epoch}",
     }[point]
 
 
 def _out_of_step_message(rows):
-    where_differs = (rows[:, :3] != rows[0, :3]).any()
-    kinds_differ = (rows[:, 3] != rows[0, 3]).any()
+    position = rows[:, _RANK : _RANK + _POSITION]
+    where_differs = (position[:, :3] != position[0, :3]).any()
+    kinds_differ = (position[:, 3] != position[0, 3]).any()
     states = []
-    for r, (point, epoch, step, kind) in enumerate(rows[:, :_POSITION].tolist()):
+    for rank, (point, epoch, step, kind) in zip(rows[:, 0].tolist(), position.tolist()):
         who = f" (in {_KINDS[kind]})" if kinds_differ else ""
-        states.append(f"rank {r} {_where(point, epoch, step)}{who}")
+        states.append(f"rank {rank} {_where(point, epoch, step)}{who}")
     advice = (
-        f"{STEPS_ADVICE} {STOP_ADVICE}"
+        STOP_ADVICE
         if where_differs
         else "Pass the same keras-ring callbacks, in the same order, on every rank."
     )
@@ -215,25 +225,16 @@ class _StepGuard:
         self.epoch = -1
         self.steps = 0  # begun in the current epoch
         self.completed = 0  # ended in the current epoch
+        self._in_loop = False  # in an epoch's train loop
 
     def exchange(self, point, kind, values=()):
         """`exchange()` at `point` of the current epoch and step."""
+        return exchange(point, self.epoch, self._step(point), kind, values)
+
+    def _step(self, point):
         # A step that finds no data is begun but never ended, so where the
         # ranks' step counts may differ, the ended steps are compared.
-        step = self.steps if point in (BATCH_BEGIN, BATCH_END) else self.completed
-        try:
-            return exchange(point, self.epoch, step, kind, values)
-        except tf.errors.OpError as e:
-            if _STALLED not in e.message:
-                raise
-            # The others are not at any exchange: inside a train step, most
-            # likely waiting for this rank's gradients (their data goes on).
-            raise RuntimeError(
-                f"keras-ring: this rank (rank {_basics.rank()}) {_where(point, self.epoch, step)}, "
-                "but other ranks did not reach that point: they are still training, most "
-                "likely in a step this rank does not run because its data has run out. "
-                f"{STEPS_ADVICE} The engine's report: {e.message}"
-            ) from None
+        return self.steps if point in (BATCH_BEGIN, BATCH_END) else self.completed
 
     def _first_at(self, point):
         # Every rank runs the same callbacks in the same order, so every rank
@@ -246,26 +247,29 @@ class _StepGuard:
     def train_begin(self, params, model):
         if not self._first_at((TRAIN_BEGIN,)):
             return
-        planned = params.get("steps")
-        planned = -1 if planned is None else int(planned)
         epochs = int(params.get("epochs") or 0)
         distributed = _optimizer.is_distributed(model.optimizer)
-        low, high = self.exchange(TRAIN_BEGIN, GUARD, (planned, epochs, distributed))
-        if low[0] < 0 and _basics.size() > 1 and _basics.rank() == 0:
-            _log.warning(UNKNOWN_STEPS_WARNING, once=True)
-        if low[0] >= 0 and low[0] != high[0]:
-            counts = per_rank(gather([planned])[:, 0])
-            raise RuntimeError(
-                "keras-ring: the ranks would run different numbers of steps per epoch "
-                f"({counts}). {STEPS_ADVICE}"
-            )
-        if low[1] != high[1]:
+        # Several steps per call of the train function: a rank whose data runs
+        # out within a call ends it early, before a callback could join.
+        per_call = int(getattr(model, "steps_per_execution", 1) or 1)
+        planned = params.get("steps") if per_call > 1 else 0
+        planned = -1 if planned is None else int(planned)
+        low, high = self.exchange(TRAIN_BEGIN, GUARD, (epochs, distributed, planned))
+        if low[0] != high[0]:
             counts = per_rank(gather([epochs])[:, 0])
             raise RuntimeError(
                 f"keras-ring: the ranks would train for different numbers of epochs ({counts}). "
                 "Pass the same `epochs` (and `initial_epoch`) to fit() on every rank."
             )
-        if low[2] != high[2]:
+        if low[2] >= 0 and low[2] != high[2]:
+            counts = per_rank(gather([planned])[:, 0])
+            raise RuntimeError(
+                "keras-ring: the ranks would run different numbers of steps per epoch "
+                f"({counts}) with steps_per_execution={per_call}. {STEPS_ADVICE}"
+            )
+        if low[2] < 0 and _basics.size() > 1 and _basics.rank() == 0:
+            _log.warning(UNKNOWN_STEPS_WARNING.format(per_call=per_call), once=True)
+        if low[1] != high[1]:
             which = per_rank("yes" if d else "no" for d in gather([distributed])[:, 0])
             raise RuntimeError(
                 "keras-ring: the model's optimizer is a keras_ring.DistributedOptimizer on some "
@@ -274,13 +278,14 @@ class _StepGuard:
             )
         # A train_step of the user's own may reduce its gradients itself.
         own_step = type(model).train_step is not keras.Model.train_step
-        if not high[2] and not own_step and _basics.size() > 1 and _basics.rank() == 0:
+        if not high[1] and not own_step and _basics.size() > 1 and _basics.rank() == 0:
             _log.warning(NOT_DISTRIBUTED_WARNING, once=True)
 
     def epoch_begin(self, epoch):
         if epoch != self.epoch:
             self.epoch = epoch
             self.steps = self.completed = 0
+            self._in_loop = True
 
     def batch_begin(self, batch):
         if self._first_at((BATCH_BEGIN, self.epoch, batch)):
@@ -290,7 +295,45 @@ class _StepGuard:
     def batch_end(self):
         self.completed = self.steps
 
+    def test_begin(self, model):
+        """Ends the train loop when `fit` goes on to validate (a no-op in `evaluate`)."""
+        self._end_loop(model)
+
+    def _end_loop(self, model):
+        """Joins, then gives every rank the state of the ranks that ran the most steps.
+
+        Called where this rank's train loop has ended, once per epoch: ranks
+        whose data ran out first take part in the others' remaining steps with
+        zeros until every rank is here.
+        """
+        if not self._in_loop:
+            return
+        self._in_loop = False
+        # A rank that stopped training (EarlyStopping, TerminateOnNaN) does not
+        # join: ranks that go on meet it, out of step, in their next exchange.
+        if _basics.size() == 1 or model.stop_training:
+            return
+        _objects.join()
+        rows = exchange_rows(LOOP_END, self.epoch, 0, GUARD, (self.completed,))
+        ranks, completed = rows[:, 0], rows[:, 1]
+        self.completed = int(completed.max())
+        if completed.min() == self.completed:
+            return
+        root = int(ranks[completed == self.completed].min())
+        if _basics.rank() == 0:
+            _log.info(
+                f"Epoch {self.epoch + 1}: the ranks ran different numbers of steps "
+                f"({per_rank(completed[np.argsort(ranks)].tolist())}); every rank takes the "
+                f"model and optimizer state of rank {root}, which ran them all.",
+                once=True,
+            )
+        optimizer = model.optimizer
+        if not optimizer.built:
+            optimizer.build(model.trainable_weights)
+        _ops.broadcast_variables(list(model.weights) + list(optimizer.variables), root)
+
     def epoch_end(self, epoch, model):
+        self._end_loop(model)
         if self._first_at((EPOCH_END, epoch)):
             self._check_agreement(EPOCH_END, model)
 
@@ -357,6 +400,9 @@ class SyncedCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.step_guard.batch_end()
+
+    def on_test_begin(self, logs=None):
+        self.step_guard.test_begin(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
         self.step_guard.epoch_end(epoch, self.model)
