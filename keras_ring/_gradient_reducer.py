@@ -249,9 +249,10 @@ class GradientReducer:
 
     def is_local(self, source):
         """Whether the gradient of `source` stays on its rank."""
-        return id(source) in self._local_ids()
+        return id(source) in self.local_ids()
 
-    def _local_ids(self):
+    def local_ids(self):
+        """The ids of the variables whose gradients stay on their rank."""
         ids = set(self._local_sources)
         ids.update(id(v) for layer in self._local_layers for v in layer.trainable_weights)
         return ids
@@ -336,7 +337,7 @@ class GradientReducer:
         return results
 
     def _local_positions(self, variables):
-        ids = self._local_ids()
+        ids = self.local_ids()
         if not ids:
             return set()
         if variables is None:

@@ -203,6 +203,12 @@ def is_distributed(optimizer):
     return isinstance(optimizer, _DistributedOptimizerMixin)
 
 
+def local_variable_ids(optimizer):
+    """The ids of the variables whose gradients `optimizer` leaves on each rank (none unless
+    it is distributed: see `register_local_var` and `PartialDistributedOptimizer`)."""
+    return optimizer._keras_ring.reducer.local_ids() if is_distributed(optimizer) else set()
+
+
 def call_after_build(optimizer, fn):
     """Has a distributed optimizer call `fn()` eagerly once it is built, before it applies anything.
 

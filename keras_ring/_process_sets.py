@@ -49,6 +49,12 @@ class ProcessSet:
                 f"keras-ring: {what} needs a process set added with add_process_set() "
                 f"(or init(process_sets=...)). Received: {self}"
             )
+        if self is not global_process_set and not any(s is self for s in _added):
+            raise ValueError(
+                f"keras-ring: {what} got a process set with id {self.process_set_id} that "
+                "add_process_set() did not return (removed, or its id set by hand). "
+                f"Received: {self}"
+            )
         _basics._require_initialized(what)
 
     def size(self):

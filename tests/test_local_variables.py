@@ -16,3 +16,5 @@ WORKER = pathlib.Path(__file__).parent / "workers" / "local_variables_worker.py"
 def test_local_variables(run_ranks, np):
     result = run_ranks(np, WORKER, timeout=420)
     assert f"local_variables_worker: passed on {np} ranks" in result.stdout
+    # Local weights differ by design: the callbacks' divergence check leaves them out.
+    assert "have diverged" not in result.stdout, result.stdout

@@ -124,6 +124,10 @@ def test_add_and_remove(rank, size, pair):
         fail("remove_process_set should return True once, then False")
     expect_error(lambda: kr.barrier(process_set=solo), ValueError, "add_process_set")
     expect_error(lambda: kr.remove_process_set(kr.global_process_set), ValueError, "global")
+    # A set whose id was set by hand (Horovod's test does this) is refused before any collective.
+    fake = kr.ProcessSet([0])
+    fake.process_set_id = pair.process_set_id
+    expect_error(lambda: kr.barrier(process_set=fake), ValueError, "did not return")
     # Ids are never reused, and the remaining set still works.
     again = kr.add_process_set([0])
     if again.process_set_id <= solo_id:
