@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 
 from keras_ring import _basics
-from keras_ring._process_sets import describe, process_set_id
+from keras_ring._process_sets import describe, process_set_id, root_index, world_rank
 
 # One counter per process set: only its members call its collectives.
 _counters = collections.defaultdict(itertools.count)
@@ -41,7 +41,8 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
         root_rank: The rank whose object every rank receives.
         name: Matches the call across ranks; by default the call order does.
         process_set: Run among this `ProcessSet`'s members only (`root_rank`
-            counted within it); default: every rank.
+            is a rank of the job and one of them, as in Horovod); default:
+            every rank.
 
     Returns:
         The root's object (unpickled on each rank; the root gets its own back).
@@ -56,6 +57,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """
     _basics._require_initialized("broadcast_object()")
     base = _name("broadcast_object", name, process_set)
+    root_rank = root_index(process_set, root_rank)
     is_root = describe(process_set)[2] == root_rank
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if is_root else None
     length = np.array([payload.size if payload is not None else 0], np.int64)
@@ -146,7 +148,7 @@ def join(process_set=None):
             default: every rank.
 
     Returns:
-        The rank that joined last (within the set).
+        The rank that joined last, a rank of the job (as in Horovod).
 
     Example:
 
@@ -159,7 +161,8 @@ def join(process_set=None):
     ```
     """
     _basics._require_initialized("join()")
-    return int(_run("JOIN", np.zeros((), np.int32), "keras_ring.join", process_set))
+    last = int(_run("JOIN", np.zeros((), np.int32), "keras_ring.join", process_set))
+    return world_rank(process_set, last)
 
 
 def barrier(name=None, process_set=None):

@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ring import _basics, _compression, _process_sets, _tf_build
-from keras_ring._process_sets import describe, global_process_set
+from keras_ring._process_sets import describe, global_process_set, root_index
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
 from keras_ring._reduce_ops import Average, Max, Min, Product, Sum, refuse_adasum  # noqa: F401
 
@@ -468,19 +468,20 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     Args:
         tensor: The value to send on the root; elsewhere only its shape and
             dtype matter, and they must agree with the root's.
-        root_rank: The rank whose tensor is broadcast.
+        root_rank: The rank whose tensor is broadcast: a rank of the job,
+            which must be a member of `process_set` (as in Horovod).
         name: The name that matches this collective across ranks, prefixed
             by the current name scope. By default, the graph node's name.
         ignore_name_scope: If `True`, `name` is used without the name scope.
-        process_set: Run among this `ProcessSet`'s ranks only (ranks and
-            sizes count within it); by default every rank.
+        process_set: Run among this `ProcessSet`'s ranks only; by default
+            every rank.
 
     Returns:
         The root's tensor.
 
     Raises:
         ValueError: If keras-ring is not initialized or `root_rank` is not a
-            rank.
+            rank of the set.
         TypeError: If the dtype is not supported.
 
     Example:
@@ -492,19 +493,11 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     ```
     """
     _basics._require_initialized("broadcast()")
-    set_id, size, _ = describe(process_set)
-    if (
-        isinstance(root_rank, bool)
-        or not isinstance(root_rank, numbers.Integral)
-        or not 0 <= root_rank < size
-    ):
-        raise ValueError(
-            f"`root_rank` must be a rank, an integer in [0, {size}). "
-            f"Received: root_rank={root_rank!r}"
-        )
+    set_id = describe(process_set)[0]
+    root = root_index(process_set, root_rank)
     return _library().keras_ring_broadcast(
         _to_tensor(tensor, "broadcast"),
-        root_rank=int(root_rank),
+        root_rank=root,
         tensor_name=_tensor_name(name, ignore_name_scope),
         process_set_id=set_id,
     )
@@ -839,8 +832,8 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
     Args:
         variables: A list of `tf.Variable` objects or Keras variables.
-        root_rank: The rank whose values every rank receives (counted within
-            `process_set`).
+        root_rank: The rank whose values every rank receives: a rank of the
+            job, and a member of `process_set` (as in Horovod).
         process_set: Broadcast among this `ProcessSet`'s ranks only; default:
             every rank.
         inplace: Accepted for Horovod's scripts: the variables are always

@@ -2,12 +2,14 @@
 
 As in Horovod, a `ProcessSet` names its members by world rank; once added
 (`add_process_set`, or `init(process_sets=[...])`) it has an id, and every
-collective takes `process_set=` to run among its members only, with ranks,
-sizes and `root_rank` counted within the set. Adding and removing are
+collective takes `process_set=` to run among its members only, with ranks
+and sizes counted within the set; `root_rank` and the rank `join` returns are
+world ranks, as in Horovod. Adding and removing are
 collective over the whole job: every rank calls them, in the same order, with
 the same ranks, members or not.
 """
 
+import numbers
 import weakref
 
 from keras_ring import _basics
@@ -119,6 +121,31 @@ def describe(process_set):
     if set_id == 0:
         return 0, _basics.size(), _basics.rank()
     return set_id, process_set.size(), process_set.rank()
+
+
+def root_index(process_set, root_rank):
+    """The index within `process_set` of `root_rank`, a world rank (Horovod's convention).
+
+    Raises:
+        ValueError: If `root_rank` is not an integer rank of the set.
+    """
+    set_id, size, _ = describe(process_set)
+    members = list(range(size)) if set_id == 0 else process_set.ranks
+    if (
+        isinstance(root_rank, bool)
+        or not isinstance(root_rank, numbers.Integral)
+        or root_rank not in members
+    ):
+        which = f"an integer in [0, {size})" if set_id == 0 else f"one of the set's {members}"
+        raise ValueError(
+            f"`root_rank` must be a rank, {which}. Received: root_rank={root_rank!r}"
+        )
+    return members.index(root_rank)
+
+
+def world_rank(process_set, index):
+    """The world rank of the member at `index` of `process_set`."""
+    return index if process_set_id(process_set) == 0 else process_set.ranks[index]
 
 
 def by_id(set_id):

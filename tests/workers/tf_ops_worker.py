@@ -691,7 +691,7 @@ def check_process_sets():
         check(f"{mode} set allreduce", got, xs[members[0]] + xs[members[1]], tf.float32)
         got = run(mode, lambda t: kr.allgather(t, process_set=pair), x)
         check(f"{mode} set allgather", got, np.concatenate([xs[r] for r in members]), tf.float32)
-        got = run(mode, lambda t: kr.broadcast(t, 1, process_set=pair), x)
+        got = run(mode, lambda t: kr.broadcast(t, members[1], process_set=pair), x)
         check(f"{mode} set broadcast", got, xs[members[1]], tf.float32)
         got = run(mode, lambda t: kr.reducescatter(t, op=kr.Sum, process_set=pair), x)
         total = xs[members[0]] + xs[members[1]]
@@ -750,8 +750,18 @@ def check_horovod_names():
     check("broadcast_ value", value, np.full(3, SIZE - 1, np.float32), tf.float32)
     if pair.included():
         w = tf.Variable(np.full(2, RANK, np.float32))
-        kr.broadcast_variables([w], root_rank=1, process_set=pair, inplace=True)
+        kr.broadcast_variables([w], root_rank=SIZE - 1, process_set=pair, inplace=True)
         check("broadcast_variables in a set", w, np.full(2, SIZE - 1, np.float32), tf.float32)
+        # root_rank is a rank of the job, as in Horovod (not an index within the set).
+        got = kr.broadcast(tf.constant(RANK), root_rank=SIZE - 2, process_set=pair)
+        check("broadcast in a set from its first member", got, np.int32(SIZE - 2), tf.int32)
+        if SIZE > 2:
+            try:
+                kr.broadcast(tf.constant(RANK), root_rank=0, process_set=pair)
+                failures.append(f"rank {RANK}: a root outside the set: no error")
+            except ValueError as e:
+                if f"one of the set's {pair.ranks}" not in str(e):
+                    failures.append(f"rank {RANK}: a root outside the set: {e}")
     bcast = kr.broadcast_object_fn(root_rank=1, name="hvd.bcast_fn")
     for step in range(2):
         got = bcast({"step": step, "from": RANK})
