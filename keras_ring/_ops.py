@@ -840,6 +840,10 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
             assigned in place.
         name: The prefix of the collectives' names; variable i is `<name>.<i>`.
 
+    Returns:
+        The op that assigns them, to run in a TF1-style graph (as Horovod's);
+        `None` when executing eagerly, where they are assigned on return.
+
     Example:
 
     ```python
@@ -849,9 +853,11 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     ```
     """
     del inplace  # every broadcast here assigns in place
-    for i, variable in enumerate(variables):
+    return tf.group(*[
         variable.assign(broadcast(variable, root_rank, name=f"{name}.{i}",
                                   ignore_name_scope=True, process_set=process_set))
+        for i, variable in enumerate(variables)
+    ])
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
@@ -877,9 +883,11 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     kr.broadcast_([v], root_rank=0)  # v is [0.] on every rank
     ```
     """
-    broadcast_variables(variables, root_rank, process_set=process_set,
-                        name=name or "keras_ring.broadcast_")
-    return [tf.convert_to_tensor(v) for v in variables]
+    assigned = broadcast_variables(variables, root_rank, process_set=process_set,
+                                   name=name or "keras_ring.broadcast_")
+    # In a graph, the values are read after the assignments.
+    with tf.control_dependencies([] if assigned is None else [assigned]):
+        return [tf.identity(v) for v in variables]
 
 
 def broadcast_global_variables(root_rank):

@@ -748,6 +748,17 @@ def check_horovod_names():
     (value,) = kr.broadcast_([v], root_rank=SIZE - 1)
     check("broadcast_", v, np.full(3, SIZE - 1, np.float32), tf.float32)
     check("broadcast_ value", value, np.full(3, SIZE - 1, np.float32), tf.float32)
+    # In a TF1-style graph (Horovod's tests): broadcast_'s values are read after its
+    # assignments, and broadcast_variables returns the op that assigns.
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        a, b = (tf.Variable(np.full(3, RANK, np.float32)) for _ in range(2))
+        session.run(tf.compat.v1.global_variables_initializer())
+        (value,) = kr.broadcast_([a], root_rank=SIZE - 1, name="graph.broadcast_")
+        check("broadcast_ in a graph", session.run(value), np.full(3, SIZE - 1, np.float32),
+              tf.float32)
+        session.run(kr.broadcast_variables([b], root_rank=SIZE - 1, name="graph.variables"))
+        check("broadcast_variables in a graph", session.run(b),
+              np.full(3, SIZE - 1, np.float32), tf.float32)
     if pair.included():
         w = tf.Variable(np.full(2, RANK, np.float32))
         kr.broadcast_variables([w], root_rank=SIZE - 1, process_set=pair, inplace=True)
