@@ -576,7 +576,7 @@ def test_average_is_a_deprecated_alias():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"op": 2}, "Received: op=2"),
+        ({"op": 7}, "Received: op=7"),
         ({"op": "sum"}, "Received: op='sum'"),
         ({"op": True}, "Received: op=True"),
         ({"op": kr.Sum, "average": True}, "Received: op=1, average=True"),
