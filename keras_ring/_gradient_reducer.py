@@ -295,7 +295,8 @@ class GradientReducer:
             A list of the reduced gradients, with `None` where `grads` had
             `None`. The gradients of local sources are not reduced: they are
             this rank's own, divided by the process set's size if
-            `scale_local_gradients`.
+            `scale_local_gradients`. On a rank outside the process set,
+            `grads` as they are (as in Horovod).
 
         Raises:
             ValueError: Under a `tf.distribute` strategy, inside an XLA
@@ -305,6 +306,8 @@ class GradientReducer:
         check_no_strategy(self._api)
         _check_not_xla(self._api)
         given = list(grads)
+        if not self._process_set.included():
+            return given
         local = self._local_positions(variables)
         # The gradients to reduce: None stands for local ones.
         grads = [None if i in local else g for i, g in enumerate(given)]

@@ -748,6 +748,14 @@ def check_horovod_names():
     (value,) = kr.broadcast_([v], root_rank=SIZE - 1)
     check("broadcast_", v, np.full(3, SIZE - 1, np.float32), tf.float32)
     check("broadcast_ value", value, np.full(3, SIZE - 1, np.float32), tf.float32)
+    # A tape on a rank outside its process set gives that rank's own gradient (Horovod's test).
+    x = tf.constant(float(RANK))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = x * x
+    (grad,) = kr.DistributedGradientTape(tape, process_set=pair).gradient(y, [x])
+    want = np.mean([2.0 * r for r in pair.ranks]) if pair.included() else 2.0 * RANK
+    check("tape with a process set", grad, np.float32(want), tf.float32)
     # In a TF1-style graph (Horovod's tests): broadcast_'s values are read after its
     # assignments, and broadcast_variables returns the op that assigns.
     with tf.Graph().as_default(), tf.compat.v1.Session() as session:
