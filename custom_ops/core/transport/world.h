@@ -1,0 +1,72 @@
+// The job as the engine sees it (Gloo's Context, in our terms): who this
+// process is, a control channel to the other ranks, and data transports among
+// groups of them. The engine is built on one World and knows nothing else of
+// how the ranks reach each other. Implementations: the MPI world
+// (mpi/mpi_world.h), the in-process world whose ranks are threads
+// (inprocess_world.h, for the engine's C++ tests) and the TCP world
+// (tcp/tcp_world.h).
+//
+// Every blocking call is bounded by timeout() and throws EngineError naming
+// the rank it waited for and what for; a peer that is known to be gone (its
+// connection dropped) makes the calls that need it throw at once, naming it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport.h"
+
+namespace keras_ring {
+
+class World {
+ public:
+  virtual ~World() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Ranks that give the same name can map each other's shared memory.
+  virtual std::string host() const = 0;
+  // The bound on every wait of the world and its transports.
+  virtual std::chrono::milliseconds timeout() const = 0;
+  // Whether other threads of the process may use the library underneath at
+  // the same time (MPI_THREAD_MULTIPLE: the user's mpi4py beside us).
+  virtual bool threads_supported() const { return false; }
+
+  // A data transport among `group` (world ranks, ascending, this rank among
+  // them): its rank i is world rank group[i]. `id` must be the same on every
+  // member and differ from that of every other transport in use that shares
+  // two of its ranks. Local: no rank waits for another here. The transport
+  // may not outlive the world.
+  std::unique_ptr<Transport> Connect(const std::vector<int>& group, uint32_t id);
+
+  // The control channel: small messages between world ranks, kept apart from
+  // the data. Post queues `message` for rank `to` (not this one) and returns;
+  // messages to one rank arrive in the order they were posted.
+  virtual void Post(int to, std::shared_ptr<const std::vector<char>> message) = 0;
+  // Takes one message that has arrived for this rank, if any.
+  virtual bool Receive(int* from, std::vector<char>* message) = 0;
+  // Waits until every posted message has been handed over.
+  virtual void Flush() = 0;
+  // Moves messages along while the caller waits on something the world does
+  // not see (a shared-memory collective): MPI, for one, moves a message only
+  // while its sender is in an MPI call.
+  virtual void Progress() {}
+
+ protected:
+  // Point-to-point among all ranks (rank() and size() those of the world),
+  // with tags in [0, max_tag()]; Connect multiplexes the groups over it.
+  virtual Transport& transport() = 0;
+  virtual int max_tag() const = 0;
+};
+
+// Set-up collectives over a transport: small and blocking (bounded like any
+// of its waits); every rank of the transport calls them in the same order.
+// Each rank's `bytes` bytes at `mine` land in `all` at offset rank * bytes.
+void AllgatherBytes(Transport& t, const void* mine, size_t bytes, void* all);
+// Whether every rank passed true.
+bool AllAgree(Transport& t, bool ok);
+
+}  // namespace keras_ring
