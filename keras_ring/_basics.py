@@ -57,12 +57,13 @@ def _line_buffer_output():
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
+# init()'s arguments: the engine's name for each (kr_init_options).
 _SETTINGS = {
-    "fusion_threshold": "KERAS_RING_FUSION_THRESHOLD",
-    "cycle_time": "KERAS_RING_CYCLE_TIME",
-    "stall_check_time": "KERAS_RING_STALL_CHECK_TIME",
-    "stall_shutdown_time": "KERAS_RING_STALL_SHUTDOWN_TIME",
-    "cache_capacity": "KERAS_RING_CACHE_CAPACITY",
+    "fusion_threshold": "fusion_threshold",
+    "cycle_time": "cycle_time_ms",
+    "stall_check_time": "stall_check_seconds",
+    "stall_shutdown_time": "stall_shutdown_seconds",
+    "cache_capacity": "cache_capacity",
 }
 
 
@@ -74,8 +75,9 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
     again while initialised does nothing; after `shutdown()` it starts again.
     Each setting left `None` comes from its environment variable
     (`KERAS_RING_FUSION_THRESHOLD`, ...; Horovod's `HOROVOD_*` names are read
-    too); a value given here sets that variable for this process. Every rank
-    should use the same settings.
+    too); a value given here holds for this `init()` only and leaves the
+    environment (and child processes) alone. Every rank should use the same
+    settings.
 
     Args:
         comm: Reserved for an mpi4py communicator or a list of world ranks,
@@ -125,21 +127,22 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
     with _lock:
         if _topology is not None:
             return
-        settings = dict(fusion_threshold=fusion_threshold, cycle_time=cycle_time,
-                        stall_check_time=stall_check_time,
-                        stall_shutdown_time=stall_shutdown_time, cache_capacity=cache_capacity)
-        for argument, value in settings.items():
+        given = dict(fusion_threshold=fusion_threshold, cycle_time=cycle_time,
+                     stall_check_time=stall_check_time,
+                     stall_shutdown_time=stall_shutdown_time, cache_capacity=cache_capacity)
+        settings = {}
+        for argument, value in given.items():
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"keras-ring: `{argument}` must be a non-negative number. "
                                  f"Received: {argument}={value!r}")
             counts = ("fusion_threshold", "cache_capacity")
-            os.environ[_SETTINGS[argument]] = str(int(value) if argument in counts else value)
+            settings[_SETTINGS[argument]] = int(value) if argument in counts else float(value)
         info = _launcher.read_build_info()
         _mpi_env.check_launcher_environment(info)
         engine = _engine()
-        engine.init()
+        engine.init(settings)
         topology = engine.topology()
         expected = _mpi_env.expected_world_size()
         if expected is not None and expected != topology["size"]:

@@ -66,18 +66,20 @@ def test_init_rejects_bad_settings(argument, value):
         kr.init(**{argument: value})
 
 
-def test_init_settings_reach_the_engine():
+def test_init_settings_reach_the_engine_and_leave_the_environment_alone():
     result = run_python(
-        "import numpy as np, keras_ring as kr\n"
+        "import os, numpy as np, keras_ring as kr\n"
         "from keras_ring import _engine\n"
         "kr.init(fusion_threshold=1 << 20, cycle_time=0.5, stall_check_time=30)\n"
         "print(_engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), 'x').wait())\n"
+        "p = _engine.parameters()\n"
+        "print(p['cycle_time_ms'], 'KERAS_RING_CYCLE_TIME' in os.environ)\n"
         "kr.shutdown()\n"
-        "import os\n"
-        "print(os.environ['KERAS_RING_FUSION_THRESHOLD'], os.environ['KERAS_RING_CYCLE_TIME'])\n"
+        "kr.init()\n"  # the next init() reads the environment again
+        "print(_engine.parameters()['cycle_time_ms'])\n"
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split()[-2:] == ["1048576", "0.5"]
+    assert result.stdout.split()[-3:] == ["0.5", "False", "0.0"]
 
 
 def test_a_bad_setting_in_the_environment_is_named():

@@ -18,6 +18,12 @@ extern "C" {
 
 #define KR_API __attribute__((visibility("default")))
 
+/* The ABI's version: 2 added struct_size to kr_request and kr_init_options.
+ * A struct whose struct_size is smaller than the engine's is read as far as
+ * the caller knew it, the fields after it taking their defaults; one that is
+ * larger (a newer caller) is refused. */
+#define KR_ABI_VERSION 2
+
 typedef enum {
   KR_FLOAT16 = 0,
   KR_BFLOAT16 = 1,
@@ -47,6 +53,10 @@ typedef enum {
   KR_ALLREDUCE = 0,
   KR_ALLGATHER = 1,
   KR_BROADCAST = 2,
+  /* Every rank passes a tensor of the same shape; rank r gets rows
+   * [start_r, start_r + rows_r) of the reduction, where the first dimension
+   * d is split as evenly as possible and the first d % size ranks get one row
+   * more (Horovod's split). */
   KR_REDUCESCATTER = 3,
   KR_ALLTOALL = 4,
   /* This rank has no more data: until every rank has joined, it takes part in
@@ -77,6 +87,8 @@ typedef enum kr_compression {
 } kr_compression;
 
 typedef struct kr_request {
+  /* sizeof(kr_request) as the caller was built with (see KR_ABI_VERSION). */
+  size_t struct_size;
   const char* name;          /* matched across ranks; copied by kr_enqueue */
   kr_collective collective;
   kr_dtype dtype;
@@ -137,10 +149,21 @@ typedef struct kr_stats {
   uint64_t hierarchical_collectives; /* of those, the ones that spanned hosts */
 } kr_stats;
 
-/* Reducescatter: every rank passes a tensor of the same shape; rank r gets
- * rows [start_r, start_r + rows_r) of the reduction, where the first
- * dimension d is split as evenly as possible and the first d % size ranks
- * get one row more (Horovod's split). */
+/* Settings that init() takes as arguments; each one left negative comes from
+ * the environment (see kr_init), as do all the others. */
+typedef struct kr_init_options {
+  size_t struct_size;          /* sizeof(kr_init_options) as the caller was built with */
+  int64_t fusion_threshold;    /* bytes */
+  double cycle_time_ms;
+  double stall_check_seconds;
+  double stall_shutdown_seconds;
+  int64_t cache_capacity;      /* tensor names */
+  double timeout_seconds;      /* more than 0 */
+} kr_init_options;
+/* Every setting from the environment. */
+#define KR_INIT_OPTIONS_DEFAULT {sizeof(kr_init_options), -1, -1, -1, -1, -1, -1}
+
+KR_API int kr_abi_version(void);
 
 /* Starts the engine (and MPI if nobody has). Must be called from the thread
  * that will later let the process exit (the MPI "main" thread). Returns
@@ -156,8 +179,15 @@ typedef struct kr_stats {
  * it, a stalled tensor fails on the waiting ranks),
  * KERAS_RING_CPU_KERNELS (generic, avx2 or avx512, default the best the CPU
  * runs: see kr_cpu_kernels),
- * KERAS_RING_LOG_LEVEL (trace, debug, info, warning (default), error). */
+ * KERAS_RING_TIMEOUT (seconds, default 300: how long any wait for another
+ * rank lasts, in a collective's transfers, at init and at shutdown, before it
+ * fails naming that rank),
+ * KERAS_RING_LOG_LEVEL (trace, debug, info, warning (default), error).
+ * Calling it while initialised does nothing. */
 KR_API kr_status kr_init(char* err, size_t err_len);
+/* kr_init with some settings given (options may be NULL: kr_init). */
+KR_API kr_status kr_init_with_options(const kr_init_options* options, char* err,
+                                      size_t err_len);
 /* Stops the engine of every rank: pending requests, here and on the other
  * ranks, complete with KR_ABORTED. Returns once every rank's engine has
  * stopped (each rank must call it, or exit, before it can init again).

@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <cstdio>
+
 namespace keras_ring {
 
 size_t DataTypeSize(DataType dtype) {
@@ -96,5 +98,11 @@ bool IsValidReduceOp(int op) {
 }
 
 bool IsValidCollective(int c) { return c >= KR_ALLREDUCE && c <= KR_JOIN; }
+
+std::string FormatSeconds(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", seconds);
+  return text;
+}
 
 }  // namespace keras_ring

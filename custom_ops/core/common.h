@@ -63,6 +63,8 @@ bool IsReducibleDataType(int dtype);
 std::string NotReducibleMessage(Collective c, DataType dtype);
 bool IsValidReduceOp(int op);
 bool IsValidCollective(int c);
+// "2.5", "300": seconds for messages.
+std::string FormatSeconds(double seconds);
 
 // Error raised inside the engine (transport failure, invariant broken). The
 // background thread turns it into a failed request; it never crosses the C ABI.

@@ -4,10 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -18,26 +15,22 @@
 #include "algorithms.h"
 #include "log.h"
 #include "reduce.h"
-#include "transport/mpi_transport.h"
 
 namespace keras_ring {
 
 namespace {
 
-// Control messages travel on their own communicator, data on another, so a
-// ready list can never be mistaken for tensor bytes.
-constexpr int kTagReady = 1;
-constexpr int kTagResponse = 2;
 constexpr int kCoordinator = 0;
 
-// While requests are in flight the loop polls MPI; it spins (yielding) for a
-// few idle passes, then sleeps with a backoff capped at kMaxPollSleep. With no
-// request in flight it sleeps until one arrives: an idle engine costs nothing.
+// While requests are in flight the loop polls the world; it spins (yielding)
+// for a few idle passes, then sleeps with a backoff capped at kMaxPollSleep.
+// With no request in flight it sleeps until one arrives: an idle engine
+// costs nothing.
 constexpr int kSpinPasses = 32;
 constexpr auto kMaxPollSleep = std::chrono::microseconds(1000);
 
-// Set while this thread runs a pass of the loop (see Drive).
-thread_local bool running_pass = false;
+// The engine whose pass this thread is running, if any (see Drive).
+thread_local const void* running_pass = nullptr;
 
 // A caller lending its thread (Drive) spins this long without progress
 // before it hands over. Measured (docs/performance.md): 32 passes, as the
@@ -60,11 +53,6 @@ void SetError(std::string* error, const std::string& message) {
   if (error) *error = message;
 }
 
-constexpr size_t kDefaultFusionThreshold = size_t(64) << 20;
-constexpr size_t kDefaultCacheCapacity = 1024;
-// Up to this size an allreduce over MPI uses recursive doubling, the ring
-// above (measured: docs/performance.md).
-constexpr size_t kDefaultSmallAllreduceBytes = size_t(64) << 10;
 // Bytes of one shared-memory round (each rank maps two per member), when
 // KERAS_RING_SHM_SLOT_BYTES is 0 (auto). Measured (docs/performance.md):
 // with a core per rank, small rounds that stay in the caches win; with more
@@ -81,10 +69,6 @@ int UsableCpus() {
   if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) return 1;
   return CPU_COUNT(&cpus);
 }
-constexpr double kDefaultStallCheckSeconds = 60;
-// Long enough for a rank that keeps the others waiting on purpose (rank 0
-// writing a checkpoint or evaluating alone), short of hanging forever.
-constexpr double kDefaultStallShutdownSeconds = 600;
 // How often an otherwise idle coordinator wakes to receive ready lists and
 // look for stalls: once a second costs nothing measurable.
 constexpr auto kStallTick = std::chrono::seconds(1);
@@ -93,25 +77,10 @@ constexpr auto kStallTick = std::chrono::seconds(1);
 // long (later ones find rank 0 polling); measured idle cost about 0.5% of a core.
 constexpr auto kOutsideSetPoll = std::chrono::milliseconds(10);
 
-// The first of `names` that is set, parsed by `parse`; Horovod's names are
-// read too, so that job scripts written for Horovod keep their tuning.
-template <typename T>
-T Setting(std::initializer_list<const char*> names, T fallback, const char* what,
-          T (*parse)(const char*, char**)) {
-  for (const char* name : names) {
-    const char* text = std::getenv(name);
-    if (!text || !*text) continue;
-    char* end = nullptr;
-    errno = 0;
-    T value = parse(text, &end);
-    if (errno || *end || text[0] == '-') {
-      throw EngineError(std::string("keras-ring: ") + name + " must be " + what +
-                        ". Received: " + name + "=" + text);
-    }
-    return value;
-  }
-  return fallback;
-}
+// The transports of process set `id` take the world's group ids 3 id (its
+// members), 3 id + 1 (its members on one host) and 3 id + 2 (its members of
+// one local rank, across hosts): never two alike among sets alive together.
+uint32_t GroupId(int32_t set, int kind) { return 3 * static_cast<uint32_t>(set) + kind; }
 
 // Why alltoall cannot split `rows` rows as asked, or "".
 std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int size) {
@@ -143,231 +112,118 @@ std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int si
   return "";
 }
 
-// The ranks of `comm` on this rank's host. KERAS_RING_HOSTNAME, if set,
-// names the host instead of MPI's shared-memory domains: ranks that give the
-// same name are one host (tests use it to run multi-host paths on one machine).
-MPI_Comm SplitByHost(MPI_Comm comm, int key) {
-  MPI_Comm local;
-  const char* name = std::getenv("KERAS_RING_HOSTNAME");
-  if (!name || !*name) {
-    CheckMpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, key, MPI_INFO_NULL, &local),
-             "MPI_Comm_split_type");
-    return local;
+// Of `ranks` (ascending), those on the host of `hosts[rank]`.
+std::vector<int> SameHost(const std::vector<int>& ranks, const std::vector<std::string>& hosts,
+                          int rank) {
+  std::vector<int> local;
+  for (int r : ranks) {
+    if (hosts[r] == hosts[rank]) local.push_back(r);
   }
-  constexpr int kNameBytes = 256;
-  int size = 0;
-  MPI_Comm_size(comm, &size);
-  std::vector<char> mine(kNameBytes, 0), all(size_t(kNameBytes) * size);
-  std::strncpy(mine.data(), name, kNameBytes - 1);
-  CheckMpi(MPI_Allgather(mine.data(), kNameBytes, MPI_CHAR, all.data(), kNameBytes, MPI_CHAR,
-                         comm),
-           "MPI_Allgather (host names)");
-  int color = 0;  // the first rank with the same name
-  while (std::strncmp(&all[size_t(color) * kNameBytes], mine.data(), kNameBytes) != 0) ++color;
-  CheckMpi(MPI_Comm_split(comm, color, key, &local), "MPI_Comm_split (host names)");
   return local;
 }
 
-unsigned long long ParseCount(const char* text, char** end) { return std::strtoull(text, end, 10); }
-
-// A setting that is free text (a path): the first of `names` that is set.
-std::string TextSetting(std::initializer_list<const char*> names) {
-  for (const char* name : names) {
-    const char* text = std::getenv(name);
-    if (text && *text) return text;
-  }
-  return "";
-}
-double ParseDouble(const char* text, char** end) { return std::strtod(text, end); }
-
-std::chrono::steady_clock::duration Seconds(double s) {
-  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(s));
+// Where `rank` stands in `ranks` (ascending); -1 if it is not there.
+int IndexOf(const std::vector<int>& ranks, int rank) {
+  const auto pos = std::lower_bound(ranks.begin(), ranks.end(), rank);
+  return pos != ranks.end() && *pos == rank ? static_cast<int>(pos - ranks.begin()) : -1;
 }
 
+std::string RankList(const std::vector<int>& ranks) {
+  std::string listed;
+  for (int r : ranks) listed += (listed.empty() ? "" : ", ") + std::to_string(r);
+  return "[" + listed + "]";
+}
 
 }  // namespace
 
-Engine& Engine::Get() {
-  static Engine* engine = new Engine();  // never destroyed: callbacks may outlive statics
-  return *engine;
+Engine::Engine(EngineOptions options, std::unique_ptr<World> world)
+    : options_(std::move(options)), world_(std::move(world)) {
+  Start();
 }
+
+Engine::~Engine() { Shutdown(nullptr); }
 
 bool Engine::initialized() const {
   std::lock_guard<std::mutex> lock(mu_);
   return running_;
 }
 
-kr_status Engine::Init(std::string* error) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (running_) return KR_OK;
-  if (thread_.joinable()) {
-    // The engine stopped by itself (another rank shut down, or it failed):
-    // finish that shutdown before starting again.
-    lock.unlock();
-    Shutdown(nullptr);
-    lock.lock();
-  }
-  AutotuneOptions tuning;  // read with the other settings, used once the world set exists
-  try {
-    ConfigureLog();
-    TunedParams params;
-    params.fusion_threshold = Setting<unsigned long long>(
-        {"KERAS_RING_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"}, kDefaultFusionThreshold,
-        "a number of bytes", ParseCount);
-    params.cycle_time_ms = Setting<double>({"KERAS_RING_CYCLE_TIME", "HOROVOD_CYCLE_TIME"}, 0.0,
-                                           "a number of milliseconds", ParseDouble);
-    params.segment_bytes = Setting<unsigned long long>(
-        {"KERAS_RING_SEGMENT_BYTES"}, 0, "a number of bytes (0: chosen by the engine)", ParseCount);
-    params.small_allreduce_bytes = Setting<unsigned long long>(
-        {"KERAS_RING_SMALL_ALLREDUCE_BYTES"}, kDefaultSmallAllreduceBytes, "a number of bytes",
-        ParseCount);
-    autotune_ = Setting<unsigned long long>({"KERAS_RING_AUTOTUNE", "HOROVOD_AUTOTUNE"}, 0,
-                                            "0 or 1", ParseCount) != 0;
-    tuning.log_path = TextSetting({"KERAS_RING_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"});
-    tuning.warmup_samples = static_cast<int>(Setting<unsigned long long>(
-        {"KERAS_RING_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"},
-        tuning.warmup_samples, "a number of samples", ParseCount));
-    tuning.steps_per_sample = static_cast<int>(Setting<unsigned long long>(
-        {"KERAS_RING_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"},
-        tuning.steps_per_sample, "a number of steps", ParseCount));
-    stall_check_ = Seconds(Setting<double>(
-        {"KERAS_RING_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"},
-        kDefaultStallCheckSeconds, "a number of seconds", ParseDouble));
-    cache_capacity_ = Setting<unsigned long long>(
-        {"KERAS_RING_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"}, kDefaultCacheCapacity,
-        "a number of tensor names", ParseCount);
-    shared_memory_ = Setting<unsigned long long>({"KERAS_RING_SHM"}, 1, "0 or 1", ParseCount);
-    hierarchical_ = Setting<unsigned long long>(
-        {"KERAS_RING_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"}, 1, "0 or 1",
-        ParseCount);
-    shm_slot_bytes_ = Setting<unsigned long long>({"KERAS_RING_SHM_SLOT_BYTES"}, 0,
-                                                  "a number of bytes (0: chosen by the engine)",
-                                                  ParseCount);
-    stall_shutdown_ = Seconds(Setting<double>(
-        {"KERAS_RING_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"},
-        kDefaultStallShutdownSeconds,
-        "a number of seconds", ParseDouble));
-    UseKernelLevel(Setting<KernelLevel>({"KERAS_RING_CPU_KERNELS"}, BestKernelLevel(),
-                                        "generic, avx2 or avx512", ParseKernelLevel));
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) {
-      SetError(error, "keras-ring: MPI has already been finalized in this process; "
-                      "init() cannot start it again.");
-      return KR_INTERNAL;
-    }
-    int inited = 0, provided = 0;
-    MPI_Initialized(&inited);
-    if (!inited) {
-      CheckMpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided),
-               "MPI_Init_thread");
-      we_initialized_mpi_ = true;
-    } else {
-      MPI_Query_thread(&provided);
-    }
-    // Once init() returns, only the thread running the loop (one at a time:
-    // see Drive) talks to MPI, so SERIALIZED is enough; MULTIPLE lets the
-    // user's mpi4py run beside us.
-    if (provided < MPI_THREAD_SERIALIZED) {
-      SetError(error, "keras-ring: MPI was initialised with thread level " +
-                          std::to_string(provided) +
-                          "; keras-ring needs at least MPI_THREAD_SERIALIZED. Initialise MPI "
-                          "with MPI_Init_thread(MPI_THREAD_MULTIPLE) or let keras-ring do it.");
-      return KR_INTERNAL;
-    }
-    CheckMpi(MPI_Comm_dup(MPI_COMM_WORLD, &control_comm_), "MPI_Comm_dup");
-    CheckMpi(MPI_Comm_dup(MPI_COMM_WORLD, &data_comm_), "MPI_Comm_dup");
-    MPI_Comm_set_errhandler(control_comm_, MPI_ERRORS_RETURN);
-    MPI_Comm_set_errhandler(data_comm_, MPI_ERRORS_RETURN);
-
-    kr_topology t{};
-    MPI_Comm_rank(control_comm_, &t.rank);
-    MPI_Comm_size(control_comm_, &t.size);
-    MPI_Comm local = SplitByHost(control_comm_, t.rank), cross;
-    MPI_Comm_rank(local, &t.local_rank);
-    MPI_Comm_size(local, &t.local_size);
-    CheckMpi(MPI_Comm_split(control_comm_, t.local_rank, t.rank, &cross), "MPI_Comm_split");
-    MPI_Comm_rank(cross, &t.cross_rank);
-    MPI_Comm_size(cross, &t.cross_size);
-    int min_local = 0, max_local = 0;
-    MPI_Allreduce(&t.local_size, &min_local, 1, MPI_INT, MPI_MIN, control_comm_);
-    MPI_Allreduce(&t.local_size, &max_local, 1, MPI_INT, MPI_MAX, control_comm_);
-    t.is_homogeneous = min_local == max_local;
-    t.mpi_threads_supported = provided == MPI_THREAD_MULTIPLE;
-    MPI_Comm_free(&local);
-    MPI_Comm_free(&cross);
-    topology_ = t;
-    SetLogRank(t.rank);
-    // Every rank runs with rank 0's settings, as Horovod does: the ranks must
-    // cut a group into the same collectives and pick the same algorithms.
-    static_assert(std::is_trivially_copyable<TunedParams>::value, "sent as bytes");
-    const TunedParams mine = params;
-    CheckMpi(MPI_Bcast(&params, sizeof params, MPI_BYTE, kCoordinator, control_comm_),
-             "MPI_Bcast (settings)");
-    if (params != mine) {
-      Log(LogLevel::kWarning, "this rank's settings (" + mine.Describe() + ") differ from rank " +
-                                  "0's; every rank uses rank 0's (" + params.Describe() + ")");
-    }
-    // Alone, a collective is a copy at most: packing a fusion buffer would
-    // only add two more.
-    if (t.size == 1) {
-      params.fusion_threshold = 0;
-      autotune_ = false;  // nothing to tune
-    }
-    params_ = params;
-  } catch (const EngineError& e) {
-    SetError(error, e.what());
-    return KR_INTERNAL;
-  }
-
-  sets_.clear();
-  next_set_id_ = 1;
-  coordinating_ = topology_.rank == kCoordinator;
+void Engine::Start() {
+  UseKernelLevel(options_.kernels);
+  TunedParams params = options_.params;
+  autotune_ = options_.autotune;
+  kr_topology t{};
+  t.rank = world_->rank();
+  t.size = world_->size();
+  SetLogRank(t.rank);
   ProcessSet& world = sets_[0];
-  for (int r = 0; r < topology_.size; ++r) world.ranks.push_back(r);
-  world.rank = topology_.rank;
-  world.comm = data_comm_;
-  world.transport = NewTransport(data_comm_);
-  if (coordinating_) world.coordinator = std::make_unique<Coordinator>(world.size(), cache_capacity_);
-  try {
-    SetUpSharedMemory(world, 0);
-  } catch (const EngineError& e) {
-    SetError(error, e.what());
-    return KR_INTERNAL;
+  for (int r = 0; r < t.size; ++r) world.ranks.push_back(r);
+  world.rank = t.rank;
+  world.transport = world_->Connect(world.ranks, GroupId(0, 0));
+
+  // The host topology, from every rank's host name.
+  constexpr size_t kNameBytes = 256;
+  std::string mine = options_.host_name.empty() ? world_->host() : options_.host_name;
+  mine.resize(kNameBytes, '\0');
+  std::vector<char> names(kNameBytes * t.size);
+  AllgatherBytes(*world.transport, mine.data(), kNameBytes, names.data());
+  hosts_.clear();
+  for (int r = 0; r < t.size; ++r) hosts_.emplace_back(names.data() + r * kNameBytes);
+  const std::vector<int> local = SameHost(world.ranks, hosts_, t.rank);
+  t.local_rank = IndexOf(local, t.rank);
+  t.local_size = static_cast<int>(local.size());
+  int min_local = t.size, max_local = 0;
+  std::vector<int> cross;  // the ranks of this local rank, one per host
+  for (int r = 0; r < t.size; ++r) {
+    const std::vector<int> theirs = SameHost(world.ranks, hosts_, r);
+    min_local = std::min(min_local, static_cast<int>(theirs.size()));
+    max_local = std::max(max_local, static_cast<int>(theirs.size()));
+    if (IndexOf(theirs, r) == t.local_rank) cross.push_back(r);
   }
-  autotuner_.reset();
-  autotune_done_ = false;
-  params_changed_ = false;
+  t.cross_rank = IndexOf(cross, t.rank);
+  t.cross_size = static_cast<int>(cross.size());
+  t.is_homogeneous = min_local == max_local;
+  t.mpi_threads_supported = world_->threads_supported();
+  topology_ = t;
+
+  // Every rank runs with rank 0's settings, as Horovod does: the ranks must
+  // cut a group into the same collectives and pick the same algorithms.
+  static_assert(std::is_trivially_copyable<TunedParams>::value, "sent as bytes");
+  BroadcastOptions bcast;
+  bcast.buffer = &params;
+  bcast.bytes = sizeof params;
+  Broadcast(*world.transport, bcast);
+  if (params != options_.params) {
+    Log(LogLevel::kWarning, "this rank's settings (" + options_.params.Describe() +
+                                ") differ from rank 0's; every rank uses rank 0's (" +
+                                params.Describe() + ")");
+  }
+  // Alone, a collective is a copy at most: packing a fusion buffer would
+  // only add two more.
+  if (t.size == 1) {
+    params.fusion_threshold = 0;
+    autotune_ = false;  // nothing to tune
+  }
+  params_ = params;
+  coordinating_ = t.rank == kCoordinator;
+  if (coordinating_) {
+    world.coordinator = std::make_unique<Coordinator>(world.size(), options_.cache_capacity);
+  }
+  SetUpSharedMemory(world, 0);
   if (autotune_ && coordinating_) {
-    // The crossover matters only where allreduces can go over MPI.
+    AutotuneOptions tuning = options_.tuning;
+    // The crossover matters only where allreduces can go over the network.
     tuning.tune_small_allreduce =
         !world.shm || world.shm_oversubscribed || world.cross != nullptr;
-    try {
-      autotuner_ = std::make_unique<Autotuner>(params_, tuning);
-    } catch (const EngineError& e) {
-      SetError(error, e.what());
-      return KR_INTERNAL;
-    }
+    autotuner_ = std::make_unique<Autotuner>(params_, tuning);
   }
   set_ranks_ = {{0, world.ranks}};
-  decided_.clear();
-  decided_since_ = {};
-  inbox_.clear();
-  queue_.clear();
-  shutdown_requested_ = false;
-  shutdown_sent_ = false;
   running_ = true;
-  loop_over_ = false;
-  resume_ = false;
-  pace_ = {};
   stopped_why_ = "keras-ring has been shut down";
   thread_ = std::thread(&Engine::Loop, this);
-  KR_LOG(kInfo, "engine started: rank " + std::to_string(topology_.rank) + " of " +
-                    std::to_string(topology_.size) + ", " + params_.Describe() +
-                    ", cache capacity " + std::to_string(cache_capacity_) +
-                    (autotune_ ? ", autotuning" : ""));
-  return KR_OK;
+  KR_LOG(kInfo, "engine started: rank " + std::to_string(t.rank) + " of " +
+                    std::to_string(t.size) + ", " + params_.Describe() + ", cache capacity " +
+                    std::to_string(options_.cache_capacity) + (autotune_ ? ", autotuning" : ""));
 }
 
 kr_parameters Engine::parameters() const {
@@ -375,7 +231,6 @@ kr_parameters Engine::parameters() const {
   return {params_.fusion_threshold, params_.cycle_time_ms, params_.segment_bytes,
           params_.small_allreduce_bytes, autotune_ ? 1 + autotune_done_ : 0};
 }
-
 void Engine::Apply(const TunedParams& params, bool tuned) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -400,9 +255,15 @@ void Engine::Tune(const ResponseList& list) {
 }
 
 kr_status Engine::Shutdown(std::string* error) {
+  if (running_pass == this || std::this_thread::get_id() == thread_.get_id()) {
+    SetError(error, "keras-ring: shutdown() cannot be called from the engine's own thread (a "
+                    "request's completion callback); call it from another thread");
+    return KR_INVALID_ARGUMENT;
+  }
+  std::lock_guard<std::mutex> lifecycle(lifecycle_mu_);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!running_ && !thread_.joinable()) return KR_OK;
+    if (!thread_.joinable()) return KR_OK;
     shutdown_requested_ = true;
   }
   cv_.notify_all();
@@ -411,23 +272,11 @@ kr_status Engine::Shutdown(std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   running_ = false;
   stopped_ = {};
-  for (auto& [id, set] : sets_) {
-    if (id != 0 && set.comm != MPI_COMM_NULL) MPI_Comm_free(&set.comm);
-    if (set.cross_comm != MPI_COMM_NULL) MPI_Comm_free(&set.cross_comm);
-  }
   sets_.clear();
   set_ranks_.clear();
-  MPI_Comm_free(&control_comm_);
-  MPI_Comm_free(&data_comm_);
+  std::vector<char>().swap(fusion_buffer_);
   SetError(error, "");
   return KR_OK;
-}
-
-void Engine::Finalize() {
-  Shutdown(nullptr);
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (we_initialized_mpi_ && !finalized) MPI_Finalize();
 }
 
 kr_status Engine::Prepare(const kr_request& r, Request* out) {
@@ -738,7 +587,7 @@ void Engine::Drive(int (*finished)(void* ctx), void* ctx) {
   // A callback run by a pass may submit and drive again (a TF kernel that
   // TensorFlow starts from another kernel's completion): the pass this
   // thread is already running takes care of it.
-  if (running_pass) return;
+  if (running_pass == this) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (loop_over_ || !running_) return;
@@ -782,9 +631,9 @@ void Engine::Drive(int (*finished)(void* ctx), void* ctx) {
 }
 
 bool Engine::Step(bool* progress) {
-  running_pass = true;
+  running_pass = this;
   struct Clear {
-    ~Clear() { running_pass = false; }
+    ~Clear() { running_pass = nullptr; }
   } clear;
   try {
     if (Pass(progress)) return true;
@@ -797,11 +646,8 @@ bool Engine::Step(bool* progress) {
       SendReadyList(std::move(last));
       shutdown_sent_ = true;
     }
-    while (coordinating_ && !sets_[0].coordinator->AllRequestedShutdown()) {
-      if (!ReceiveReadyLists()) std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    for (auto& send : sends_) CheckMpi(MPI_Wait(&send.first, MPI_STATUS_IGNORE), "MPI_Wait");
-    sends_.clear();
+    if (coordinating_) AwaitShutdowns();
+    world_->Flush();
     StopAccepting(KR_NOT_INITIALIZED, stopped_why_);
   } catch (const std::exception& e) {
     // The ranks can no longer be assumed to be in step: fail everything, tell
@@ -833,7 +679,6 @@ bool Engine::Pass(bool* progress) {
   for (auto& entry : ready) SendReadyList(std::move(entry.second));
   ResponseList list;
   bool got = coordinating_ ? ReceiveOnCoordinator(&list) : ReceiveResponses(&list);
-  ReapSends();
   if (got) {
     *progress = true;
     Execute(list);
@@ -853,7 +698,7 @@ bool Engine::Pass(bool* progress) {
                        "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
                        std::to_string(got ? list.responses.size() : 0)));
   }
-  const bool in_flight = InFlight() || shutdown_sent_ || !sends_.empty() || CoordinatorBusy();
+  const bool in_flight = InFlight() || shutdown_sent_ || CoordinatorBusy();
   std::lock_guard<std::mutex> lock(mu_);
   pace_.in_flight = in_flight;
   pace_.outside_a_set = OutsideASet();
@@ -899,10 +744,10 @@ void Engine::Abandon(const std::string& reason) {
       SendReadyList(std::move(list));
       shutdown_sent_ = true;
     }
-    for (auto& send : sends_) MPI_Wait(&send.first, MPI_STATUS_IGNORE);
-    sends_.clear();
+    world_->Flush();
   } catch (const std::exception&) {
   }
+  world_->Abort(reason);
 }
 
 void Engine::StopAccepting(kr_status status, const std::string& message) {
@@ -943,54 +788,31 @@ void Engine::SendReadyList(ReadyList list) {
     AddToCoordinator(kCoordinator, std::move(list));
     return;
   }
-  auto bytes = std::make_shared<std::vector<char>>(SerializeReadyList(list));
-  MPI_Request req;
-  CheckMpi(MPI_Isend(bytes->data(), static_cast<int>(bytes->size()), MPI_BYTE, kCoordinator,
-                     kTagReady, control_comm_, &req),
-           "MPI_Isend (ready list)");
-  sends_.emplace_back(req, std::move(bytes));
+  world_->Post(kCoordinator, std::make_shared<const std::vector<char>>(SerializeReadyList(list)));
 }
 
-namespace {
-
-// Receives one probed control message of any size.
-std::vector<char> ReceiveProbed(MPI_Comm comm, const MPI_Status& status) {
-  int count = 0;
-  MPI_Get_count(&status, MPI_BYTE, &count);
-  std::vector<char> bytes(count);
-  CheckMpi(MPI_Recv(bytes.data(), count, MPI_BYTE, status.MPI_SOURCE, status.MPI_TAG, comm,
-                    MPI_STATUS_IGNORE),
-           "MPI_Recv (control)");
-  return bytes;
-}
-
-}  // namespace
-
-void Engine::DrainControl() {
-  // The coordinator receives ready lists from every rank; the others,
-  // response lists from the coordinator.
-  const int source = coordinating_ ? MPI_ANY_SOURCE : kCoordinator;
-  const int tag = coordinating_ ? kTagReady : kTagResponse;
+void Engine::AwaitShutdowns() {
+  const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
   for (;;) {
-    int flag = 0;
-    MPI_Status status;
-    CheckMpi(MPI_Iprobe(source, tag, control_comm_, &flag, &status), "MPI_Iprobe (control)");
-    if (!flag) return;
-    inbox_.emplace_back(status.MPI_SOURCE, ReceiveProbed(control_comm_, status));
+    const std::vector<int> missing = sets_[0].coordinator->NotShutDown();
+    if (missing.empty()) return;
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw EngineError("keras-ring: rank 0 waited " +
+                        FormatSeconds(world_->timeout().count() / 1e3) +
+                        " s (KERAS_RING_TIMEOUT) for ranks " + RankList(missing) +
+                        " to shut down; they are stuck or stopped");
+    }
+    if (!ReceiveReadyLists()) std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }
 
-std::unique_ptr<Transport> Engine::NewTransport(MPI_Comm comm) {
-  return std::make_unique<MpiTransport>(comm, [this] { DrainControl(); });
-}
-
 bool Engine::ReceiveReadyLists() {
-  DrainControl();
-  const bool any = !inbox_.empty();
-  while (!inbox_.empty()) {
-    auto [source, bytes] = std::move(inbox_.front());
-    inbox_.pop_front();
+  bool any = false;
+  int source;
+  std::vector<char> bytes;
+  while (world_->Receive(&source, &bytes)) {
     AddToCoordinator(source, DeserializeReadyList(bytes));
+    any = true;
   }
   return any;
 }
@@ -999,14 +821,14 @@ bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   ReceiveReadyLists();
   const auto now = Coordinator::Clock::now();
   for (auto& [id, set] : sets_) {
-    if (stall_check_.count()) {
-      for (const std::string& report : set.coordinator->StallReports(now, stall_check_)) {
+    if (options_.stall_check.count()) {
+      for (const std::string& report : set.coordinator->StallReports(now, options_.stall_check)) {
         Log(LogLevel::kWarning, "stall: " + report);
       }
     }
-    if (!stall_shutdown_.count()) continue;
+    if (!options_.stall_shutdown.count()) continue;
     const size_t first_new = decided_.size();
-    set.coordinator->FailStalled(now, stall_shutdown_, &decided_);
+    set.coordinator->FailStalled(now, options_.stall_shutdown, &decided_);
     for (size_t i = first_new; i < decided_.size(); ++i) decided_[i].process_set = id;
   }
   out->shutdown_rank = sets_[0].coordinator->FirstShutdownRank();
@@ -1044,32 +866,18 @@ void Engine::SendResponses(const ResponseList& list) {
     if (found == sets_.end()) continue;
     for (int r : found->second.ranks) to[r] = true;
   }
-  auto bytes = std::make_shared<std::vector<char>>(SerializeResponses(list));
+  auto bytes = std::make_shared<const std::vector<char>>(SerializeResponses(list));
   for (int r = 0; r < topology_.size; ++r) {
-    if (r == kCoordinator || !to[r]) continue;
-    MPI_Request req;
-    CheckMpi(MPI_Isend(bytes->data(), static_cast<int>(bytes->size()), MPI_BYTE, r, kTagResponse,
-                       control_comm_, &req),
-             "MPI_Isend (responses)");
-    sends_.emplace_back(req, bytes);
+    if (r != kCoordinator && to[r]) world_->Post(r, bytes);
   }
 }
 
 bool Engine::ReceiveResponses(ResponseList* out) {
-  if (inbox_.empty()) DrainControl();
-  if (inbox_.empty()) return false;
-  *out = DeserializeResponses(inbox_.front().second);
-  inbox_.pop_front();
+  int source;
+  std::vector<char> bytes;
+  if (!world_->Receive(&source, &bytes)) return false;
+  *out = DeserializeResponses(bytes);
   return true;
-}
-
-void Engine::ReapSends() {
-  auto done = [](std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>& send) {
-    int flag = 0;
-    CheckMpi(MPI_Test(&send.first, &flag, MPI_STATUS_IGNORE), "MPI_Test (control send)");
-    return flag != 0;
-  };
-  sends_.erase(std::remove_if(sends_.begin(), sends_.end(), done), sends_.end());
 }
 
 namespace {
@@ -1159,9 +967,11 @@ void Engine::Execute(ResponseList& list) {
           set.cached[id] = req.meta;
           set.cache_ids[name] = id;
         }
-        if (!req.group) requests.push_back(std::move(req));
-        requests.reserve(requests.size() + req.members.size());
-        for (Request& m : req.members) requests.push_back(std::move(m));
+        if (req.group) {
+          for (Request& m : req.members) requests.push_back(std::move(m));
+        } else {
+          requests.push_back(std::move(req));
+        }
         set.pending.erase(it);
       }
     } catch (const std::exception& e) {
@@ -1203,6 +1013,7 @@ void Engine::Run(ProcessSet& set, std::vector<Request>& requests, const Response
     }
     return;
   }
+  if (requests.empty()) return;  // a group of this rank's whose every member was refused
   bool ok = true;
   try {
     switch (requests[0].meta.collective) {
@@ -1360,7 +1171,7 @@ void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* 
   size_t total = 0;  // elements of all the requests
   for (const Request* req = begin; req != end; ++req) total += ElementCount(req->meta.shape);
   // With more ranks than cores, a shared-memory allreduce waits for ranks
-  // that are not running; MPI's recursive doubling is faster for small ones
+  // that are not running; recursive doubling over the network is faster for small ones
   // (measured: 3 ranks on 2 cores, 4 KiB: 0.07 ms against 0.62 ms).
   const bool small =
       set.shm_oversubscribed && total * DataTypeSize(m.wire_dtype) <= params_.small_allreduce_bytes;
@@ -1558,20 +1369,13 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
   *id = next_set_id_++;
   ProcessSet& set = sets_[*id];
   set.ranks = ranks;
-  const auto pos = std::find(ranks.begin(), ranks.end(), topology_.rank);
-  set.rank = pos == ranks.end() ? -1 : static_cast<int>(pos - ranks.begin());
-  // Ordered by world rank, so a member's rank in the communicator is its
-  // position in `ranks` (ascending).
-  CheckMpi(MPI_Comm_split(data_comm_, set.rank >= 0 ? 0 : MPI_UNDEFINED, topology_.rank,
-                          &set.comm),
-           "MPI_Comm_split (process set)");
+  set.rank = IndexOf(ranks, topology_.rank);
   if (set.rank >= 0) {
-    MPI_Comm_set_errhandler(set.comm, MPI_ERRORS_RETURN);
-    set.transport = NewTransport(set.comm);
+    set.transport = world_->Connect(ranks, GroupId(*id, 0));
     SetUpSharedMemory(set, *id);
   }
   if (coordinating_) {
-    set.coordinator = std::make_unique<Coordinator>(set.size(), cache_capacity_);
+    set.coordinator = std::make_unique<Coordinator>(set.size(), options_.cache_capacity);
     set.coordinator->SetWorldRanks(ranks, "in process set " + std::to_string(*id) + ", ");
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -1579,20 +1383,44 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
 }
 
 void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
-  if (!shared_memory_ || set.size() < 2) return;
-  MPI_Comm local = SplitByHost(set.comm, set.rank);
-  int local_rank = 0, local_size = 0, min_local = 0, max_local = 0;
-  MPI_Comm_rank(local, &local_rank);
-  MPI_Comm_size(local, &local_size);
-  MPI_Allreduce(&local_size, &min_local, 1, MPI_INT, MPI_MIN, set.comm);
-  MPI_Allreduce(&local_size, &max_local, 1, MPI_INT, MPI_MAX, set.comm);
+  if (!options_.shared_memory || set.size() < 2) return;
+  // The members on each host, from the host names agreed at start.
+  const std::vector<int> local = SameHost(set.ranks, hosts_, topology_.rank);
+  const int local_rank = IndexOf(local, topology_.rank);
+  const int local_size = static_cast<int>(local.size());
+  int min_local = set.size(), max_local = 0;
+  std::vector<int> cross;  // the members of this local rank, one per host
+  for (int r : set.ranks) {
+    const std::vector<int> theirs = SameHost(set.ranks, hosts_, r);
+    min_local = std::min(min_local, static_cast<int>(theirs.size()));
+    max_local = std::max(max_local, static_cast<int>(theirs.size()));
+    if (IndexOf(theirs, r) == local_rank) cross.push_back(r);
+  }
   // Across hosts: hierarchical when every host holds the same number (> 1)
   // of members, so that the blocks of each local rank line up across hosts.
   const bool spans_hosts = local_size != set.size();
-  if (spans_hosts && !(hierarchical_ && min_local == max_local && min_local > 1)) {
-    MPI_Comm_free(&local);
-    return;
+  if (spans_hosts && !(options_.hierarchical && min_local == max_local && min_local > 1)) return;
+  // The slot size must agree across hosts too (the hierarchical blocks line
+  // up), and a host with more members than cores makes every member take
+  // small allreduces over the network: agreed over the whole set.
+  struct Wish {
+    uint64_t slot_bytes;
+    uint8_t oversubscribed;
+  } wish{options_.shm_slot_bytes, local_size > UsableCpus()};
+  std::vector<Wish> wishes(set.size());
+  AllgatherBytes(*set.transport, &wish, sizeof wish, wishes.data());
+  uint64_t slot_bytes = 0;
+  for (const Wish& w : wishes) {
+    set.shm_oversubscribed = set.shm_oversubscribed || w.oversubscribed;
+    slot_bytes = std::max(slot_bytes, w.slot_bytes);
   }
+  if (slot_bytes == 0) slot_bytes = set.shm_oversubscribed ? kShmSlotBytesOversubscribed : kShmSlotBytes;
+  // Rounds are a slot unless KERAS_RING_SEGMENT_BYTES or the autotuner
+  // asks for smaller ones; the slots are made large enough for what they
+  // may ask.
+  set.shm_round_bytes = slot_bytes;
+  slot_bytes = std::max<uint64_t>(
+      {slot_bytes, params_.segment_bytes, autotune_ ? kShmSlotBytesAutotune : 0});
   // Unique on the host: the first local member's pid (which lets a later job
   // spot the segments of a crashed one) and a random number.
   char key[64] = {};
@@ -1601,53 +1429,26 @@ void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
         (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
     std::snprintf(key, sizeof key, "%dx%016llx-%d", static_cast<int>(getpid()), nonce, id);
   }
-  // The slot size must agree across hosts too (the hierarchical blocks line up).
-  int oversubscribed = local_size > UsableCpus();
-  CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &oversubscribed, 1, MPI_INT, MPI_LOR, set.comm),
-           "MPI_Allreduce (shared memory)");
-  set.shm_oversubscribed = oversubscribed;
-  unsigned long long slot_bytes = shm_slot_bytes_;
-  if (slot_bytes == 0) slot_bytes = oversubscribed ? kShmSlotBytesOversubscribed : kShmSlotBytes;
-  CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &slot_bytes, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, set.comm),
-           "MPI_Allreduce (shared memory)");
-  // Rounds are a slot unless KERAS_RING_SEGMENT_BYTES or the autotuner
-  // asks for smaller ones; the slots are made large enough for what they
-  // may ask.
-  set.shm_round_bytes = slot_bytes;
-  slot_bytes = std::max<unsigned long long>(
-      {slot_bytes, params_.segment_bytes, autotune_ ? kShmSlotBytesAutotune : 0});
-  std::vector<int> local_world(local_size);
-  CheckMpi(MPI_Bcast(key, sizeof key, MPI_CHAR, 0, local), "MPI_Bcast (shared memory)");
-  CheckMpi(MPI_Allgather(&topology_.rank, 1, MPI_INT, local_world.data(), 1, MPI_INT, local),
-           "MPI_Allgather (shared memory)");
-  MPI_Comm_free(&local);
+  {
+    std::unique_ptr<Transport> host = world_->Connect(local, GroupId(id, 1));
+    BroadcastOptions o;
+    o.buffer = key;
+    o.bytes = sizeof key;
+    Broadcast(*host, o);
+  }
   // Agreed over the whole set: all hosts use shared memory, or none.
-  auto all_agree = [&](bool ok) {
-    int mine = ok, all = 0;
-    CheckMpi(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_LAND, set.comm),
-             "MPI_Allreduce (shared memory)");
-    return all != 0;
-  };
+  auto all_agree = [&](bool ok) { return AllAgree(*set.transport, ok); };
   std::string why;
-  // Waiting in shared memory, the loop's thread receives its control
-  // messages (see DrainControl), which also drives MPI's progress, so that
-  // control messages it has sent (which MPI may move only while the sender
-  // calls it) reach their ranks.
-  set.shm = ShmGroup::Create(local_rank, local_world, key, slot_bytes, all_agree, &why,
-                             [this] { DrainControl(); });
+  // Waiting in shared memory, the world moves its messages along (see
+  // World::Progress), so that control messages this rank has sent reach
+  // the ranks that need them before they can join.
+  set.shm = ShmGroup::Create(local_rank, local, key, slot_bytes, all_agree, &why,
+                             [this] { world_->Progress(); }, world_->timeout());
   if (!set.shm && !why.empty()) {
-    std::fprintf(stderr,
-                 "keras-ring: warning: rank %d cannot use shared memory (%s); process set %d "
-                 "allreduces over MPI instead\n",
-                 topology_.rank, why.c_str(), id);
+    Log(LogLevel::kWarning, "cannot use shared memory (" + why + "); process set " +
+                                std::to_string(id) + " allreduces over the network instead");
   }
-  if (set.shm && spans_hosts) {
-    // The members with this local rank, one per host.
-    CheckMpi(MPI_Comm_split(set.comm, local_rank, set.rank, &set.cross_comm),
-             "MPI_Comm_split (hierarchical)");
-    MPI_Comm_set_errhandler(set.cross_comm, MPI_ERRORS_RETURN);
-    set.cross = NewTransport(set.cross_comm);
-  }
+  if (set.shm && spans_hosts) set.cross = world_->Connect(cross, GroupId(id, 2));
 }
 
 void Engine::DestroyProcessSet(int32_t id) {
@@ -1659,8 +1460,6 @@ void Engine::DestroyProcessSet(int32_t id) {
                                           " was removed while tensor '" + entry.first +
                                           "' was pending in it");
   }
-  if (set.comm != MPI_COMM_NULL) MPI_Comm_free(&set.comm);
-  if (set.cross_comm != MPI_COMM_NULL) MPI_Comm_free(&set.cross_comm);
   sets_.erase(found);
   std::lock_guard<std::mutex> lock(mu_);
   set_ranks_.erase(id);

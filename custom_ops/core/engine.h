@@ -1,10 +1,9 @@
-// The per-process engine: a request queue and a loop, run by a background
+// The engine of one rank: a request queue and a loop, run by a background
 // thread or by a caller that waits (Drive), that negotiates with the other
-// ranks, runs the agreed collectives over a Transport and completes requests
-// through their callbacks.
+// ranks, runs the agreed collectives over the World's transports and
+// completes requests through their callbacks. It knows the job only through
+// its World (MPI, in-process or TCP).
 #pragma once
-
-#include <mpi.h>
 
 #include <atomic>
 #include <chrono>
@@ -21,9 +20,11 @@
 #include "c_api.h"
 #include "common.h"
 #include "negotiation.h"
+#include "options.h"
 #include "shm.h"
 #include "timeline.h"
 #include "transport/transport.h"
+#include "transport/world.h"
 
 namespace keras_ring {
 
@@ -61,17 +62,15 @@ struct Request {
 struct ProcessSet {
   std::vector<int> ranks;        // world ranks, ascending
   int rank = -1;                 // this process's rank within the set; -1: not a member
-  MPI_Comm comm = MPI_COMM_NULL;  // data communicator of the members
-  std::unique_ptr<Transport> transport;
+  std::unique_ptr<Transport> transport;  // among the members
   // Allreduce through shared memory among the members on this host; if the
   // set spans hosts (hierarchical), `cross` links this member with those of
   // the same local rank on the other hosts.
   std::unique_ptr<ShmGroup> shm;
   size_t shm_round_bytes = 0;  // the round size the engine chose (the slot may be larger)
   // A host has more of the set's ranks than cores: small allreduces go over
-  // MPI instead (the same on every member).
+  // the network instead (the same on every member).
   bool shm_oversubscribed = false;
-  MPI_Comm cross_comm = MPI_COMM_NULL;
   std::unique_ptr<Transport> cross;
   // World rank 0 coordinates every set, member or not.
   std::unique_ptr<Coordinator> coordinator;
@@ -89,11 +88,22 @@ struct ProcessSet {
 
 class Engine {
  public:
-  static Engine& Get();
+  // Starts the engine on `world`: a collective of every rank (bounded by the
+  // world's timeout), which agrees on the host topology and on rank 0's
+  // settings, sets up shared memory and starts the background thread.
+  // Throws EngineError saying why it could not.
+  Engine(EngineOptions options, std::unique_ptr<World> world);
+  // Shuts down (see Shutdown) if that has not been done.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
 
-  kr_status Init(std::string* error);
+  // Stops the engine of every rank: pending requests, here and on the other
+  // ranks, complete with KR_ABORTED. Returns once the loop has ended; later
+  // calls return at once. Refused from the engine's own thread (a callback).
   kr_status Shutdown(std::string* error);
-  void Finalize();
+  // Until Shutdown, or the loop stopping by itself (another rank shut down,
+  // or the engine failed).
   bool initialized() const;
   kr_topology topology() const { return topology_; }
   kr_stats stats() const {
@@ -126,7 +136,8 @@ class Engine {
   void StopTimeline() { timeline_.Stop(); }
 
  private:
-  Engine() = default;
+  // The constructor's collective part; throws EngineError.
+  void Start();
   // Validates one request into *out; on refusal calls done itself and
   // returns the status.
   kr_status Prepare(const kr_request& request, Request* out);
@@ -143,16 +154,6 @@ class Engine {
   // list; false if it was refused (and completed).
   bool Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready);
   void SendReadyList(ReadyList list);
-  // Receives the control messages that have arrived for this rank (ready
-  // lists on the coordinator, response lists elsewhere) into inbox_. Called
-  // by every pass and, through the transports, while a collective waits:
-  // MPICH keeps an unreceived small message in the sender's share of its
-  // shared-memory queues, so a rank that let them pile up while it waited
-  // (for a rank busy in another process set's collectives, say) could leave
-  // a peer without room to send the very data that rank waits for.
-  void DrainControl();
-  // An MPI transport over `comm` whose waits drain the control messages.
-  std::unique_ptr<Transport> NewTransport(MPI_Comm comm);
   bool ReceiveReadyLists();  // rank 0: records the ready lists received
   void AddToCoordinator(int world_rank, ReadyList list);
   bool ReceiveOnCoordinator(ResponseList* out);
@@ -188,6 +189,8 @@ class Engine {
   void* AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
                        std::vector<char>* scratch, bool* failed);
   void CreateProcessSet(const std::vector<int>& ranks, int32_t* id);
+  // Sets up the set's transports (this rank a member).
+  void Connect(ProcessSet& set, int32_t id);
   // Collective over the set's members: maps the shared memory of the members
   // on each host, if they are all on one host or (hierarchical) every host
   // has the same number of them, and it is not turned off.
@@ -207,7 +210,17 @@ class Engine {
   void FailAll(kr_status status, const std::string& message);
   // The loop has ended: refuse what is queued and whatever comes later.
   void StopAccepting(kr_status status, const std::string& message);
-  void ReapSends();
+  // Rank 0, shutting down: waits (bounded) until every rank has sent its
+  // shutdown message, so that none is left behind.
+  void AwaitShutdowns();
+
+  const EngineOptions options_;
+  const std::unique_ptr<World> world_;
+  // Each rank's host name, by world rank.
+  std::vector<std::string> hosts_;
+  // Serialises Shutdown: two callers (a user thread and process exit) must
+  // not both join the thread.
+  std::mutex lifecycle_mu_;
 
   // Shared between framework threads and the thread running the loop.
   mutable std::mutex mu_;
@@ -244,10 +257,6 @@ class Engine {
   bool coordinating_ = false;                      // world rank 0
   std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
   std::chrono::steady_clock::time_point decided_since_;  // when decided_ became non-empty
-  // Control messages received, not yet handled: (source, bytes).
-  std::deque<std::pair<int, std::vector<char>>> inbox_;
-  // Control messages in flight with the bytes they send from.
-  std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<char>>>> sends_;
   // The settings the autotuner may change; written under mu_ (read by
   // parameters()), read without it by the thread running the loop.
   TunedParams params_;
@@ -255,11 +264,6 @@ class Engine {
   bool autotune_ = false;
   bool autotune_done_ = false;
   bool params_changed_ = false;  // rank 0: to send with the next response list
-  size_t cache_capacity_ = 0;
-  bool shared_memory_ = true;
-  bool hierarchical_ = true;
-  size_t shm_slot_bytes_ = 0;
-  std::chrono::steady_clock::duration stall_check_{}, stall_shutdown_{};  // 0: off
   std::vector<char> fusion_buffer_;  // grows to the largest fused collective
   Timeline timeline_;
   Timeline::Clock::time_point received_;  // when the response list being run arrived
@@ -268,9 +272,6 @@ class Engine {
         shm_collectives{0}, hierarchical_collectives{0};
   } stats_;
 
-  MPI_Comm control_comm_ = MPI_COMM_NULL;
-  MPI_Comm data_comm_ = MPI_COMM_NULL;
-  bool we_initialized_mpi_ = false;
   kr_topology topology_{};
 };
 

@@ -731,11 +731,12 @@ void Coordinator::RequestShutdown(int rank, const std::string& reason) {
   }
 }
 
-bool Coordinator::AllRequestedShutdown() const {
-  for (bool s : shutdown_) {
-    if (!s) return false;
+std::vector<int> Coordinator::NotShutDown() const {
+  std::vector<int> ranks;
+  for (int r = 0; r < size_; ++r) {
+    if (!shutdown_[r]) ranks.push_back(WorldRank(r));
   }
-  return true;
+  return ranks;
 }
 
 }  // namespace keras_ring

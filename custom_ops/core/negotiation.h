@@ -176,7 +176,8 @@ class Coordinator {
   void RequestShutdown(int rank, const std::string& reason = "");
   const std::string& ShutdownReason() const { return shutdown_reason_; }
   int FirstShutdownRank() const { return first_shutdown_; }
-  bool AllRequestedShutdown() const;
+  // The (world) ranks whose shutdown has not arrived.
+  std::vector<int> NotShutDown() const;
 
  private:
   struct Entry {

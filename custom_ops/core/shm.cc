@@ -98,9 +98,11 @@ void ForEachPiece(const std::vector<ShmSpan>& spans, const std::vector<size_t>& 
 std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& world_ranks,
                                            const std::string& key, size_t slot_bytes,
                                            const std::function<bool(bool)>& all_agree,
-                                           std::string* why, std::function<void()> progress) {
+                                           std::string* why, std::function<void()> progress,
+                                           std::chrono::milliseconds timeout) {
   std::unique_ptr<ShmGroup> g(new ShmGroup);
   g->progress_ = std::move(progress);
+  g->timeout_ = timeout;
   g->rank_ = rank;
   g->world_ranks_ = world_ranks;
   g->slot_bytes_ = std::max(kAlign, slot_bytes / kAlign * kAlign);
@@ -192,7 +194,8 @@ void ShmGroup::WaitFor(int peer, uint64_t step) {
   // the core away: with more ranks than cores the peer may need this one.
   using Clock = std::chrono::steady_clock;
   constexpr auto kCheckEvery = std::chrono::milliseconds(100);
-  auto next_check = Clock::now() + kCheckEvery;
+  const auto since = Clock::now();
+  auto next_check = since + kCheckEvery;
   for (int spins = 0; h->step.load(std::memory_order_acquire) < step; ++spins) {
     if (progress_ && spins % 256 == 255) progress_();
     if (spins < 2000) {
@@ -214,6 +217,13 @@ void ShmGroup::WaitFor(int peer, uint64_t step) {
       throw EngineError("keras-ring: rank " + std::to_string(world_ranks_[peer]) + " (pid " +
                         std::to_string(h->pid) +
                         ") died in the middle of a shared-memory collective");
+    }
+    if (Clock::now() - since > timeout_) {
+      throw EngineError("keras-ring: rank " + std::to_string(world_ranks_[rank_]) + " waited " +
+                        FormatSeconds(timeout_.count() / 1e3) +
+                        " s (KERAS_RING_TIMEOUT) for rank " + std::to_string(world_ranks_[peer]) +
+                        " in a shared-memory collective: rank " +
+                        std::to_string(world_ranks_[peer]) + " is stuck or stopped");
     }
   }
 }

@@ -23,6 +23,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -70,17 +71,20 @@ class ShmGroup {
   // after it), `slot_bytes` and `world_ranks` (used to name ranks in errors).
   // `all_agree(ok)` must return whether every rank passed true, and act as a
   // barrier. `progress`, if given, is called now and then while a wait lasts:
-  // the engine receives its control messages there, which also drives MPI,
-  // so that a message this rank is sending (say a large control message,
-  // which MPI may only move while the sender is in an MPI call) can reach a
-  // peer that needs it before it can join. Returns null (on every rank) if any rank could not create or
-  // map a segment; *why then holds this rank's own reason, or is empty if
-  // the failure was another rank's.
+  // the engine's world moves its messages there (MPI, say, moves a message
+  // only while its sender is in an MPI call), so that a message this rank is
+  // sending can reach a peer that needs it before it can join. A wait for a
+  // peer that lasts `timeout` throws EngineError naming it. Returns null (on
+  // every rank) if any rank could not create or map a segment; *why then
+  // holds this rank's own reason, or is empty if the failure was another
+  // rank's.
   static std::unique_ptr<ShmGroup> Create(int rank, const std::vector<int>& world_ranks,
                                           const std::string& key, size_t slot_bytes,
                                           const std::function<bool(bool)>& all_agree,
                                           std::string* why,
-                                          std::function<void()> progress = nullptr);
+                                          std::function<void()> progress = nullptr,
+                                          std::chrono::milliseconds timeout =
+                                              std::chrono::seconds(300));
   ~ShmGroup();
   ShmGroup(const ShmGroup&) = delete;
   ShmGroup& operator=(const ShmGroup&) = delete;
@@ -116,6 +120,7 @@ class ShmGroup {
   uint64_t step_ = 0;   // progress counter, the same on every rank between collectives
   bool check_pids_ = false;  // peers' pids are visible from here
   std::function<void()> progress_;
+  std::chrono::milliseconds timeout_{};
 };
 
 }  // namespace keras_ring

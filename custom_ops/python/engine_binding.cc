@@ -225,6 +225,7 @@ kr_request Prepare(const Args& a, const py::array& input, void* output, const ch
     outcome->received_splits.resize(set_size > 0 ? set_size : 0);
   }
   kr_request r{};
+  r.struct_size = sizeof r;
   r.name = name;
   r.collective = static_cast<kr_collective>(a.collective);
   r.dtype = ToKrDtype(input.dtype());
@@ -457,12 +458,32 @@ PYBIND11_MODULE(_engine, m) {
   m.attr("ALLTOALL") = static_cast<int>(KR_ALLTOALL);
   m.attr("JOIN") = static_cast<int>(KR_JOIN);
 
-  m.def("init", [] {
+  // Settings given to init() (the others come from the environment): names
+  // as kr_init_options's fields.
+  m.def("init", [](const py::dict& settings) {
+    kr_init_options o = KR_INIT_OPTIONS_DEFAULT;
+    for (const auto& item : settings) {
+      const std::string key = py::str(item.first);
+      const py::handle value = item.second;
+      if (key == "fusion_threshold") {
+        o.fusion_threshold = value.cast<int64_t>();
+      } else if (key == "cycle_time_ms") {
+        o.cycle_time_ms = value.cast<double>();
+      } else if (key == "stall_check_seconds") {
+        o.stall_check_seconds = value.cast<double>();
+      } else if (key == "stall_shutdown_seconds") {
+        o.stall_shutdown_seconds = value.cast<double>();
+      } else if (key == "cache_capacity") {
+        o.cache_capacity = value.cast<int64_t>();
+      } else {
+        throw py::value_error("keras-ring: unknown engine setting " + key);
+      }
+    }
     char err[2048] = {0};
     kr_status s;
     {
       py::gil_scoped_release release;
-      s = kr_init(err, sizeof(err));
+      s = kr_init_with_options(&o, err, sizeof(err));
     }
     Check(s, err);
     // MPICH's launchers take a rank that exits without MPI_Finalize for a
@@ -478,7 +499,7 @@ PYBIND11_MODULE(_engine, m) {
       }));
       exit_hook_registered = true;
     }
-  });
+  }, py::arg("settings") = py::dict());
   m.def("shutdown", [] {
     char err[2048] = {0};
     kr_status s;

@@ -229,6 +229,7 @@ class CollectiveKernel : public AsyncOpKernel {
     const auto dims = input.shape().dim_sizes();
     out->shape.assign(dims.begin(), dims.end());
     kr_request& r = out->fields;
+    r.struct_size = sizeof r;
     r.collective = collective;
     TF_RETURN_IF_ERROR(EngineDtype(input.dtype(), &r.dtype));
     r.input = input.data();

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cmath>
 #include <cstring>
@@ -78,7 +79,8 @@ std::vector<std::string> Leftovers(const std::string& key) {
 }
 
 // Runs body(group) on p threads sharing one freshly created group.
-void RunShmRanks(int p, size_t slot_bytes, const std::function<void(ShmGroup&)>& body) {
+void RunShmRanks(int p, size_t slot_bytes, const std::function<void(ShmGroup&)>& body,
+                 std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   Agreement agree(p);
   const std::string key = UniqueKey();
   std::vector<std::thread> threads;
@@ -87,7 +89,8 @@ void RunShmRanks(int p, size_t slot_bytes, const std::function<void(ShmGroup&)>&
       try {
         std::string why;
         std::unique_ptr<ShmGroup> g = ShmGroup::Create(
-            r, WorldRanks(p), key, slot_bytes, [&](bool ok) { return agree(ok); }, &why);
+            r, WorldRanks(p), key, slot_bytes, [&](bool ok) { return agree(ok); }, &why,
+            nullptr, timeout);
         if (!g) {
           KR_FAIL("rank " + std::to_string(r) + " could not create the group: " + why);
           return;
@@ -349,6 +352,24 @@ KR_TEST(ShmPeerThatStopsMakesTheOthersFailNamingIt) {
     }
     KR_EXPECT_THROW(g.Allreduce(o), EngineError, "rank 12 stopped");
   });
+}
+
+// A peer alive but stuck (never arriving, never stopping): the wait ends
+// after the timeout, naming it.
+KR_TEST(ShmPeerThatIsStuckMakesTheOthersFailAfterTheTimeout) {
+  std::atomic<bool> failed{false};
+  RunShmRanks(2, 4096, [&](ShmGroup& g) {
+    std::vector<float> v(10000, 1.0f);
+    ShmAllreduceOptions o;
+    o.spans = {{v.data(), v.data(), v.size()}};
+    if (g.rank() == 1) {
+      // Stuck until the other has given up; then out of the group's way.
+      while (!failed) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return;
+    }
+    KR_EXPECT_THROW(g.Allreduce(o), EngineError, "waited 0.3 s (KERAS_RING_TIMEOUT) for rank 11");
+    failed = true;
+  }, std::chrono::milliseconds(300));
 }
 
 KR_TEST(ShmSetupFailureOnOneRankGivesNoGroupAnywhereAndLeavesNothing) {

@@ -16,7 +16,8 @@ namespace keras_ring {
 
 struct InProcessWorld::State {
   State(int world_size, std::chrono::milliseconds wait_timeout)
-      : size(world_size), timeout(wait_timeout), arrived(world_size) {}
+      : size(world_size), timeout(wait_timeout), arrived(world_size), gone(world_size),
+        why_gone(world_size) {}
 
   // A send not yet received. Like MPI's rendezvous protocol, the data is read
   // from the sender's buffer only when the receiver waits for it, and the
@@ -43,6 +44,12 @@ struct InProcessWorld::State {
   std::vector<std::condition_variable> arrived;  // per rank: a message came or was taken
   std::map<ChannelKey, Channel> channels;        // guarded by mu
   InProcessStats stats;                          // guarded by mu
+  std::vector<bool> gone;                        // by rank, guarded by mu
+  std::vector<std::string> why_gone;             // by rank, guarded by mu
+
+  std::string Lost(int rank) const {
+    return "keras-ring: rank " + std::to_string(rank) + " left the job (" + why_gone[rank] + ")";
+  }
 
   void CheckTransfer(size_t bytes, int peer) const {
     KR_CHECK(peer >= 0 && peer < size, "peer " + std::to_string(peer) +
@@ -74,7 +81,10 @@ class InProcessWorld::SendPending : public Pending {
 
   void Wait() override {
     std::unique_lock<std::mutex> lock(state_->mu);
-    if (!state_->arrived[src_].wait_for(lock, state_->timeout, [&] { return received_; })) {
+    const bool done = state_->arrived[src_].wait_for(
+        lock, state_->timeout, [&] { return received_ || state_->gone[dst_]; });
+    if (!received_ && state_->gone[dst_]) throw EngineError(state_->Lost(dst_));
+    if (!done) {
       throw EngineError("keras-ring: rank " + std::to_string(src_) + " waited " +
                         std::to_string(state_->timeout.count()) + " ms for rank " +
                         std::to_string(dst_) + " to receive a message of " +
@@ -105,8 +115,12 @@ class InProcessWorld::ReceivePending : public Pending {
     {
       std::unique_lock<std::mutex> lock(state_->mu);
       State::Channel& channel = state_->channels[{src_, dst_, tag_}];
-      const bool arrived = state_->arrived[dst_].wait_for(
-          lock, state_->timeout, [&] { return channel.messages.count(number_) > 0; });
+      const bool arrived = state_->arrived[dst_].wait_for(lock, state_->timeout, [&] {
+        return channel.messages.count(number_) > 0 || state_->gone[src_];
+      });
+      if (!channel.messages.count(number_) && state_->gone[src_]) {
+        throw EngineError(state_->Lost(src_));
+      }
       if (!arrived) {
         throw EngineError("keras-ring: rank " + std::to_string(dst_) + " waited " +
                           std::to_string(state_->timeout.count()) +
@@ -191,6 +205,15 @@ std::unique_ptr<Transport> InProcessWorld::Connect(int rank) {
            "rank " + std::to_string(rank) + " is not in an in-process world of size " +
                std::to_string(state_->size));
   return std::make_unique<Endpoint>(state_, rank);
+}
+
+void InProcessWorld::Disconnect(int rank, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->gone.at(rank) = true;
+    state_->why_gone.at(rank) = why;
+  }
+  for (auto& cv : state_->arrived) cv.notify_all();
 }
 
 InProcessStats InProcessWorld::stats() const {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "transport.h"
 
@@ -37,6 +38,10 @@ class InProcessWorld {
   std::unique_ptr<Transport> Connect(int rank);
 
   InProcessStats stats() const;
+
+  // As if `rank` had said goodbye (`why`) and closed its connections: every
+  // wait for it, now or later, throws EngineError naming it and saying why.
+  void Disconnect(int rank, const std::string& why);
 
  private:
   struct State;

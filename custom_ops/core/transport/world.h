@@ -54,6 +54,12 @@ class World {
   // not see (a shared-memory collective): MPI, for one, moves a message only
   // while its sender is in an MPI call.
   virtual void Progress() {}
+  // This rank takes no further part (its engine failed, saying `why`):
+  // peers waiting on it fail now, with `why` in their error, rather than at
+  // the timeout, where the world can tell them (the TCP world says goodbye
+  // and closes its connections; MPI cannot, and its launcher ends the job
+  // when the process exits).
+  virtual void Abort(const std::string& why) { (void)why; }
 
  protected:
   // Point-to-point among all ranks (rank() and size() those of the world),
