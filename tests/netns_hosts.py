@@ -120,6 +120,11 @@ class NetnsHosts:
                 _ip("link", "set", port, "up", namespace=self.switch)
                 _ip("addr", "add", f"{address}/24", "dev", IFACE, namespace=namespace)
                 _ip("link", "set", IFACE, "up", namespace=namespace)
+            # What the remote shell does: a host name and a /dev/shm of the host's own.
+            subprocess.run([*self.exec_prefix(0), "unshare", "--uts", "/bin/sh", "-c",
+                            'hostname "$1" && mount --bind "$2" /dev/shm', "probe",
+                            self.hosts[0], str(self.shm[0])],
+                           check=True, capture_output=True, text=True, timeout=30)
         except BaseException:
             self.destroy()
             raise

@@ -176,8 +176,9 @@ def test_a_job_stopped_at_its_timeout_leaves_nothing_in_the_hosts(netns_hosts):
 
 @pytest.mark.timeout(60)
 def test_stale_hosts_of_a_run_that_died_are_removed(netns_hosts):
-    # Named for an owner that no longer runs (pid 1 started at another time).
-    stale = NetnsHosts(1, owner="1.0")
+    # Named for an owner that no longer runs: this pid, started at another time (the pid reused).
+    pid, start = netns_hosts.owner.split(".")
+    stale = NetnsHosts(1, owner=f"{pid}.{int(start) + 1}")
     stale.create()
     try:
         assert Path("/run/netns", stale.namespaces[0]).exists() and stale.shm[0].is_dir()
