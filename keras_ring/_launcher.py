@@ -25,6 +25,7 @@ import os
 import re
 import selectors
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +62,9 @@ _OPEN_MPI_LOOPBACK_ENV = {
     "OMPI_MCA_oob_tcp_if_include": "lo",
     "PRTE_MCA_oob_tcp_if_include": "lo",
 }
+# The remote shell that starts ranks on other hosts: --remote-shell, else this variable, else the
+# MPI launcher's own choice (ssh, or a resource manager's launcher inside an allocation).
+REMOTE_SHELL_VARIABLE = "KERAS_RING_REMOTE_SHELL"
 # Variables Open MPI must not copy to other hosts (`-x`): they describe this shell.
 _LOCAL_ONLY_ENV = frozenset(["_", "PWD", "OLDPWD", "SHLVL", "HOSTNAME", "HOME"])
 # Signals passed on to the launcher. Hydra and the forker stop their ranks on
@@ -310,15 +314,18 @@ def launcher_vendor(path):
     return "unknown"
 
 
-def parse_args(argv):
+def parse_args(argv, environ=None):
     """Parses the `keras-ring-run` command line.
 
     Args:
         argv: The arguments after the program name.
+        environ: The environment `KERAS_RING_REMOTE_SHELL` is read from when
+            `--remote-shell` is not given; `os.environ` by default.
 
     Returns:
         An `argparse.Namespace` with `np`, `hosts` (a list of `(host, slots)`
-        or `None`), `hostfile`, `prefix_output`, `all_output`, `verbose`,
+        or `None`), `hostfile`, `remote_shell` (a command, or `None` for the
+        MPI launcher's default), `prefix_output`, `all_output`, `verbose`,
         `settings` and `command`.
 
     Raises:
@@ -336,6 +343,11 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--hostfile", metavar="FILE", help="host file, in the syntax of the MPI's own launcher"
+    )
+    parser.add_argument(
+        "--remote-shell", metavar="CMD",
+        help=f"the command that starts ranks on other hosts, called as `CMD HOST COMMAND...` as "
+        f"ssh is (default: ${REMOTE_SHELL_VARIABLE}, else the MPI launcher's own: ssh)"
     )
     parser.add_argument(
         "--prefix-output", action="store_true", help="prefix every output line with its rank"
@@ -377,6 +389,11 @@ def parse_args(argv):
         parser.error("give -H or --hostfile, not both.")
     if options.hosts is not None:
         options.hosts = _parse_hosts(options.hosts, parser)
+    if options.remote_shell is None:
+        options.remote_shell = (os.environ if environ is None else environ).get(
+            REMOTE_SHELL_VARIABLE) or None
+    elif not options.remote_shell.strip():
+        parser.error("--remote-shell needs a command, e.g. --remote-shell ssh.")
     options.settings = _settings(options, parser)
     return options
 
@@ -458,6 +475,11 @@ def launcher_command(launcher, options, env):
 
     Returns:
         The launcher's argv, ending with `options.command`.
+
+    Raises:
+        LaunchError: if a remote shell is given for a job on other hosts and
+            the launcher cannot run it (Hydra's takes one program, no
+            arguments; it must be on the `PATH` of `env`).
     """
     np = str(options.np)
     local = is_local_job(options)
@@ -470,6 +492,9 @@ def launcher_command(launcher, options, env):
             argv += ["--hostfile", options.hostfile]
         elif not local:
             argv += ["-H", hosts]
+        if options.remote_shell and not local:
+            # Open MPI splits the agent at spaces itself: "ssh -p 2222" works.
+            argv += ["--mca", "plm_rsh_agent", options.remote_shell]
         if not local:
             for name in sorted(env):
                 if name not in _LOCAL_ONLY_ENV and re.fullmatch(r"[A-Za-z_]\w*", name):
@@ -486,9 +511,32 @@ def launcher_command(launcher, options, env):
         argv += ["-hosts", "localhost", "-iface", "lo"]
     else:
         argv += ["-hosts", hosts]
+    if options.remote_shell and not local:
+        # Hydra runs the ssh launcher's program as `CMD -x HOST PROXY ARGS...` (-x: no X
+        # forwarding), just as ssh; Intel MPI's Hydra spells the options -bootstrap(-exec).
+        spelling = ("-bootstrap", "-bootstrap-exec") if launcher.vendor == "Intel MPI" else (
+            "-launcher", "-launcher-exec")
+        argv += [spelling[0], "ssh", spelling[1], _hydra_remote_shell(options.remote_shell, env)]
     if options.prefix_output:
         argv.append("-prepend-rank")
     return argv + ["-np", np] + options.command
+
+
+def _hydra_remote_shell(command, env):
+    """The remote shell as Hydra's `-launcher-exec` takes it: one program, found on the PATH."""
+    if len(command.split()) != 1:
+        raise LaunchError(
+            f"the MPI launcher (Hydra) runs the remote shell as one program, without arguments. "
+            f"Received: --remote-shell={command!r}. Put the command in a script (e.g. "
+            f"`exec ssh -p 2222 \"$@\"`) and give its path, or set ssh's options in "
+            f"~/.ssh/config."
+        )
+    if shutil.which(command, path=env.get("PATH", os.defpath)) is None:
+        raise LaunchError(
+            f"cannot find the remote shell {command!r} (--remote-shell, or "
+            f"{REMOTE_SHELL_VARIABLE}): give the path of an executable, or a program on the PATH."
+        )
+    return command
 
 
 def launcher_env(launcher, options, environ):
@@ -820,11 +868,11 @@ def main(argv=None):
     try:
         options = parse_args(sys.argv[1:] if argv is None else argv)
         launcher = locate_launcher(read_build_info())
+        env = launcher_env(launcher, options, os.environ)
+        argv = launcher_command(launcher, options, env)
     except LaunchError as e:
         print(f"keras-ring-run: {e}", file=sys.stderr)
         return USAGE_ERROR
-    env = launcher_env(launcher, options, os.environ)
-    argv = launcher_command(launcher, options, env)
     if options.verbose:
         changed = [
             f"{name}={value}" for name, value in env.items() if os.environ.get(name) != value

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -72,38 +73,74 @@ def run_ranks():
             str(script_path),
             *map(str, args),
         ]
-        job_env = {**os.environ, **RANK_THREAD_ENV, **(env or {})}
-        # A file, not a pipe: ranks that outlive a killed launcher cannot block the read.
-        with tempfile.TemporaryFile() as output:
-            job = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                env=job_env,
-                start_new_session=True,
-            )
-            try:
-                job.wait(timeout=timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _stop_process_group(job)
-            output.seek(0)
-            text = output.read().decode(errors="replace")
-        if timed_out:
-            pytest.fail(
-                f"{np}-rank job {script_path} ran past {timeout} s and was stopped. "
-                f"Output tail:\n{_tail(text)}"
-            )
-        if check and job.returncode != 0:
-            pytest.fail(
-                f"{np}-rank job {script_path} exited with {job.returncode}. "
-                f"Output tail:\n{_tail(text)}"
-            )
-        return subprocess.CompletedProcess(command, job.returncode, text, None)
+        return run_job(command, f"{np}-rank job {script_path}", timeout=timeout, env=env,
+                       check=check)
 
     return run
+
+
+def run_job(command, label, timeout=300, env=None, check=True):
+    """Runs a job's command as `run_ranks` does (its own session, output to a file).
+
+    Args:
+        command: The argv, e.g. a `keras-ring-run` command line.
+        label: What the job is, for failure messages ("2-rank job worker.py").
+        timeout: Seconds before the job is stopped and the test fails.
+        env: Added to (or overriding) this process's environment and the
+            per-rank thread settings.
+        check: Whether a non-zero exit code fails the test.
+
+    Returns:
+        A `subprocess.CompletedProcess` whose `stdout` holds stdout and stderr.
+    """
+    job_env = {**os.environ, **RANK_THREAD_ENV, **(env or {})}
+    # A file, not a pipe: ranks that outlive a killed launcher cannot block the read.
+    with tempfile.TemporaryFile() as output:
+        job = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=job_env,
+            start_new_session=True,
+        )
+        try:
+            job.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop_process_group(job)
+        output.seek(0)
+        text = output.read().decode(errors="replace")
+    if timed_out:
+        pytest.fail(f"{label} ran past {timeout} s and was stopped. Output tail:\n{_tail(text)}")
+    if check and job.returncode != 0:
+        pytest.fail(f"{label} exited with {job.returncode}. Output tail:\n{_tail(text)}")
+    return subprocess.CompletedProcess(command, job.returncode, text, None)
+
+
+@pytest.fixture(scope="module")
+def netns_hosts():
+    """Three hosts made of network namespaces (tests/netns_hosts.py), removed afterwards.
+
+    Skips the test where they cannot be made (not root, no `ip netns`, no veth
+    or bridge support).
+    """
+    from netns_hosts import NetnsHosts
+
+    reason = NetnsHosts.unavailable()
+    if reason:
+        pytest.skip(reason)
+    hosts = NetnsHosts(3)
+    try:
+        hosts.create()
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot make network-namespace hosts: `{shlex.join(e.cmd)}`: "
+                    f"{(e.stderr or '').strip()}")
+    try:
+        yield hosts
+    finally:
+        hosts.destroy()
 
 
 def _stop_process_group(job):

@@ -25,8 +25,8 @@ VERSION_TEXT = {
 }
 
 
-def options(*argv):
-    return _launcher.parse_args([*argv, *COMMAND])
+def options(*argv, environ=None):
+    return _launcher.parse_args([*argv, *COMMAND], environ=environ or {})
 
 
 def write_build_info(monkeypatch, tmp_path, **info):
@@ -247,6 +247,70 @@ def test_multi_host_hydra_job(launcher):
         "4",
         *COMMAND,
     ]
+
+
+@pytest.mark.parametrize("launcher", [HYDRA, MPICH_WITH_FORKER])
+def test_remote_shell_of_a_multi_host_hydra_job(launcher, tmp_path):
+    rsh = write_fake_launcher(tmp_path / "rsh", "")
+    expected = [launcher.path, "-hosts", "a:2,b:2", "-launcher", "ssh", "-launcher-exec", str(rsh),
+                "-np", "4", *COMMAND]
+    parsed = options("-np", "4", "-H", "a:2,b:2", "--remote-shell", str(rsh))
+    assert _launcher.launcher_command(launcher, parsed, {}) == expected
+    # From the environment, found on the job's PATH; the option wins over the variable.
+    parsed = options("-np", "4", "-H", "a:2,b:2", environ={"KERAS_RING_REMOTE_SHELL": "rsh"})
+    assert parsed.remote_shell == "rsh"
+    assert _launcher.launcher_command(launcher, parsed, {"PATH": str(tmp_path)}) == [
+        *expected[:6], "rsh", *expected[7:]]
+    parsed = options("-np", "4", "-H", "a:2,b:2", "--remote-shell", "sh",
+                     environ={"KERAS_RING_REMOTE_SHELL": "rsh"})
+    assert parsed.remote_shell == "sh"
+    argv = _launcher.launcher_command(launcher, options(
+        "-np", "4", "--hostfile", "hosts", "--remote-shell", str(rsh), "--prefix-output"), {})
+    assert argv == [launcher.path, "-f", "hosts", "-launcher", "ssh", "-launcher-exec", str(rsh),
+                    "-prepend-rank", "-np", "4", *COMMAND]
+
+
+def test_remote_shell_without_one_is_the_launchers_default_and_unused_on_one_host(tmp_path):
+    for environ in ({}, {"KERAS_RING_REMOTE_SHELL": ""}):
+        parsed = options("-np", "2", "-H", "a,b", environ=environ)
+        assert parsed.remote_shell is None
+        assert "-launcher" not in _launcher.launcher_command(HYDRA, parsed, {})
+    # A one-host job starts no remote shell: the forker, or Hydra on loopback.
+    parsed = options("-np", "2", "--remote-shell", "/no/such/rsh")
+    assert _launcher.launcher_command(MPICH_WITH_FORKER, parsed, {})[0] == MPICH_WITH_FORKER.forker
+    assert "-launcher" not in _launcher.launcher_command(HYDRA, parsed, {})
+
+
+def test_remote_shell_of_other_mpis(tmp_path):
+    rsh = str(write_fake_launcher(tmp_path / "rsh", ""))
+    argv = _launcher.launcher_command(
+        INTEL, options("-np", "2", "-H", "a,b", "--remote-shell", rsh), {})
+    assert argv[3:7] == ["-bootstrap", "ssh", "-bootstrap-exec", rsh]
+    # Open MPI splits its agent at spaces: a command with arguments is fine.
+    argv = _launcher.launcher_command(
+        OPEN_MPI, options("-np", "2", "-H", "a,b", "--remote-shell", "ssh -p 2222"), {})
+    assert argv == ["/ompi/bin/mpirun", "-np", "2", "-H", "a:1,b:1",
+                    "--mca", "plm_rsh_agent", "ssh -p 2222", *COMMAND]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--remote-shell", " "], "--remote-shell needs a command"),
+        (["--remote-shell", "ssh -p 2222"], "runs the remote shell as one program"),
+        (["--remote-shell", "/no/such/rsh"], "cannot find the remote shell '/no/such/rsh'"),
+    ],
+)
+def test_bad_remote_shell_is_explained_with_exit_code_2(monkeypatch, tmp_path, capfd, argv,
+                                                       message):
+    write_build_info(monkeypatch, tmp_path, mpi_source="system", mpi_vendor="MPICH",
+                     mpiexec=str(write_fake_launcher(tmp_path / "bin" / "mpiexec",
+                                                     VERSION_TEXT["MPICH"])))
+    code, err = run_main(capfd, "-np", "2", "-H", "a,b", *argv, "ls")
+    assert code == 2
+    assert err.startswith("keras-ring-run: ")
+    assert message in err
+    assert "Traceback" not in err
 
 
 def test_one_host_open_mpi_job():
