@@ -1,9 +1,11 @@
 """Builds and runs the engine's C++ tests (threads as ranks, no MPI).
 
 The C++ suite checks the reduction kernels and the ring algorithms against
-serial references; it is built here with CMake so that one pytest command
-runs every test. The sanitizer build runs the same suite under
-AddressSanitizer and UndefinedBehaviorSanitizer.
+serial references, and runs the whole engine on the in-process world; it is
+built here with CMake so that one pytest command runs every test. The
+sanitizer builds run the same suite under AddressSanitizer and
+UndefinedBehaviorSanitizer, and the engine's cases (the threads that share
+its state) under ThreadSanitizer.
 """
 
 import os
@@ -15,7 +17,7 @@ import pytest
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "custom_ops", "tests")
 
 
-def build_and_run(build_dir, *cmake_args):
+def build_and_run(build_dir, *cmake_args, cases=()):
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.fail("cmake is needed to build the C++ tests (pip install cmake)")
@@ -24,8 +26,8 @@ def build_and_run(build_dir, *cmake_args):
                    check=True, capture_output=True, text=True)
     subprocess.run([cmake, "--build", str(build_dir), "-j", "2"], check=True,
                    capture_output=True, text=True)
-    result = subprocess.run([os.path.join(build_dir, "kr_core_tests")], capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run([os.path.join(build_dir, "kr_core_tests"), *cases],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " 0 failed" in result.stdout.splitlines()[-1], result.stdout[-2000:]
     return result
@@ -38,3 +40,8 @@ def test_core_algorithms(tmp_path):
 def test_core_algorithms_under_sanitizers(tmp_path):
     result = build_and_run(tmp_path / "asan", "-DKR_SANITIZE=ON")
     assert "runtime error" not in result.stderr, result.stderr[-4000:]
+
+
+def test_core_engine_under_thread_sanitizer(tmp_path):
+    result = build_and_run(tmp_path / "tsan", "-DKR_SANITIZE=thread", cases=["engine/"])
+    assert "ThreadSanitizer" not in result.stderr, result.stderr[-4000:]
