@@ -50,13 +50,17 @@ KR_TEST(InMemoryStoreGetTimesOutNamingTheKey) {
   KR_EXPECT(std::chrono::steady_clock::now() - start >= milliseconds(100));
 }
 
+// Found from this file's path, which CMake gives as an absolute one.
+std::string ServerScript() {
+  const std::string source = __FILE__;
+  return source.substr(0, source.rfind('/')) + "/../../keras_ring/_rendezvous.py";
+}
+
 // The server of keras_ring/_rendezvous.py in a child process, for one test.
 class RendezvousServerProcess {
  public:
   explicit RendezvousServerProcess(const std::string& secret_hex) {
-    std::string source = __FILE__;
-    const std::string script =
-        source.substr(0, source.rfind('/')) + "/../../keras_ring/_rendezvous.py";
+    const std::string script = ServerScript();
     int to_child[2], from_child[2];
     if (pipe(to_child) != 0 || pipe(from_child) != 0) throw EngineError("pipe() failed");
     setenv("KERAS_RING_SECRET", secret_hex.c_str(), 1);
@@ -96,7 +100,7 @@ const std::string kSecret = "keras ring";
 KR_TEST(TcpStoreClientAgainstRendezvousServer) {
   RendezvousServerProcess server(kSecretHex);
   if (server.address().empty()) {
-    KR_FAIL("python3 " __FILE__ "/../../keras_ring/_rendezvous.py did not start");
+    KR_FAIL("python3 " + ServerScript() + " did not start");
     return;
   }
   TcpStoreClient client(server.address(), kSecret, "rank 0", milliseconds(10000));
@@ -123,7 +127,7 @@ KR_TEST(TcpStoreClientAgainstRendezvousServer) {
 KR_TEST(TcpWorldThroughRendezvousServer) {
   RendezvousServerProcess server(kSecretHex);
   if (server.address().empty()) {
-    KR_FAIL("python3 " __FILE__ "/../../keras_ring/_rendezvous.py did not start");
+    KR_FAIL("python3 " + ServerScript() + " did not start");
     return;
   }
   auto rank = [&](int r) {
