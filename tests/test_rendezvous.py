@@ -1,0 +1,194 @@
+"""The rendezvous server: set and get, bounded waits, and clients without the
+job's secret, with garbage or with oversized frames refused and logged while
+the job's own clients are still served."""
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from keras_ring._rendezvous import MAX_FRAME_BYTES, RendezvousServer
+
+SECRET = b"the job's secret"
+
+
+def _recv_exact(sock, size):
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+class Client:
+    """The protocol's client side, written from the module's docstring."""
+
+    def __init__(self, address, secret=SECRET, role=b"rank 0"):
+        self.sock = socket.create_connection(address, timeout=10)
+        hello = self.recv_frame()
+        assert hello[:4] == b"KRS1" and len(hello) == 36
+        nonce_s, nonce_c = hello[4:], os.urandom(32)
+        mac_c = hmac.new(secret, b"keras-ring store client" + nonce_s + nonce_c + role,
+                         hashlib.sha256).digest()
+        self.send_frame(b"KRS1" + nonce_c + mac_c + role)
+        proof = self.recv_frame()
+        mac_s = hmac.new(secret, b"keras-ring store server" + nonce_s + nonce_c + role,
+                         hashlib.sha256).digest()
+        self.authenticated = proof is not None and hmac.compare_digest(proof, mac_s)
+
+    def send_frame(self, payload):
+        self.sock.sendall(struct.pack("!I", len(payload)) + payload)
+
+    def recv_frame(self):
+        """A frame's payload, or None once the server has closed the connection."""
+        try:
+            header = _recv_exact(self.sock, 4)
+        except ConnectionResetError:
+            return None
+        if header is None:
+            return None
+        return _recv_exact(self.sock, struct.unpack("!I", header)[0])
+
+    def set(self, key, value):
+        self.send_frame(b"S" + struct.pack("!H", len(key)) + key + value)
+        assert self.recv_frame() == b"\x00"
+
+    def get(self, key, timeout_ms):
+        """The value, or None if it was not set in time."""
+        self.send_frame(b"G" + struct.pack("!IH", timeout_ms, len(key)) + key)
+        reply = self.recv_frame()
+        assert reply[:1] in (b"\x00", b"\x01")
+        return reply[1:] if reply[:1] == b"\x00" else None
+
+    def close(self):
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+@pytest.fixture
+def server():
+    with RendezvousServer(SECRET) as s:
+        yield s
+
+
+def assert_closed_by_server(sock):
+    sock.settimeout(10)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+
+
+def test_set_then_get(server):
+    with Client(server.address) as c:
+        assert c.authenticated
+        c.set(b"tcp_world/0", b"127.0.0.1:1234")
+        assert c.get(b"tcp_world/0", 0) == b"127.0.0.1:1234"
+        c.set(b"tcp_world/0", b"")
+        assert c.get(b"tcp_world/0", 0) == b""
+
+
+def test_get_waits_for_a_set_by_another_client(server):
+    def later():
+        time.sleep(0.1)
+        with Client(server.address, role=b"rank 1") as c:
+            c.set(b"k", b"v")
+
+    setter = threading.Thread(target=later)
+    setter.start()
+    with Client(server.address) as c:
+        assert c.get(b"k", 10000) == b"v"
+    setter.join()
+
+
+def test_get_times_out(server):
+    with Client(server.address) as c:
+        start = time.monotonic()
+        assert c.get(b"never", 200) is None
+        assert 0.2 <= time.monotonic() - start < 5
+
+
+def test_client_without_the_secret_is_refused_and_logged(server, capsys):
+    with Client(server.address, secret=b"another job's secret") as intruder:
+        assert not intruder.authenticated
+        port = intruder.sock.getsockname()[1]
+    err = capsys.readouterr().err
+    assert f"refused a connection from 127.0.0.1:{port}: it does not hold the job's secret" in err
+    with Client(server.address) as c:
+        assert c.authenticated
+        c.set(b"a", b"b")
+        assert c.get(b"a", 0) == b"b"
+
+
+def test_garbage_is_refused_and_logged(server, capsys):
+    with socket.create_connection(server.address, timeout=10) as s:
+        port = s.getsockname()[1]
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert_closed_by_server(s)
+    err = capsys.readouterr().err
+    assert f"refused a connection from 127.0.0.1:{port}: it announced a frame of" in err
+    with Client(server.address) as c:
+        assert c.authenticated
+
+
+def test_oversized_frame_is_refused_before_it_is_read(server, capsys):
+    with socket.create_connection(server.address, timeout=10) as s:
+        s.sendall(struct.pack("!I", MAX_FRAME_BYTES + 1))
+        assert_closed_by_server(s)
+    assert f"a frame of {MAX_FRAME_BYTES + 1} bytes" in capsys.readouterr().err
+
+
+def test_malformed_request_drops_the_connection(server, capsys):
+    with Client(server.address, role=b"rank 5") as c:
+        assert c.authenticated
+        c.send_frame(b"X")
+        assert c.recv_frame() is None
+    assert "dropped the connection of rank 5 from 127.0.0.1:" in capsys.readouterr().err
+
+
+def test_silent_client_is_refused_while_others_are_served(capsys):
+    with RendezvousServer(SECRET, handshake_timeout=0.3) as server:
+        with socket.create_connection(server.address, timeout=10) as silent:
+            with Client(server.address) as c:
+                c.set(b"k", b"v")
+                assert c.get(b"k", 0) == b"v"
+            assert_closed_by_server(silent)
+    assert "it sent nothing for too long while sending the handshake" in capsys.readouterr().err
+
+
+def test_stop_ends_a_waiting_get():
+    server = RendezvousServer(SECRET)
+    server.start()
+    replies = []
+    with Client(server.address) as c:
+        c.send_frame(b"G" + struct.pack("!IH", 60000, 5) + b"never")
+        waiter = threading.Thread(target=lambda: replies.append(c.recv_frame()))
+        waiter.start()
+        time.sleep(0.1)
+        start = time.monotonic()
+        server.stop()
+        waiter.join()
+    assert time.monotonic() - start < 5
+    assert replies in ([None], [b"\x01"])
+
+
+def test_secret_is_validated():
+    with pytest.raises(TypeError, match="secret must be bytes"):
+        RendezvousServer("a string")
+    with pytest.raises(ValueError, match="secret must not be empty"):
+        RendezvousServer(b"")
+    with pytest.raises(ValueError, match="Received: handshake_timeout=0"):
+        RendezvousServer(SECRET, handshake_timeout=0)
