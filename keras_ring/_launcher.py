@@ -325,7 +325,8 @@ def parse_args(argv, environ=None):
     Returns:
         An `argparse.Namespace` with `np`, `hosts` (a list of `(host, slots)`
         or `None`), `hostfile`, `remote_shell` (a command, or `None` for the
-        MPI launcher's default), `prefix_output`, `all_output`, `verbose`,
+        MPI launcher's default), `transport` (`"mpi"` or `"tcp"`),
+        `network_interface`, `prefix_output`, `all_output`, `verbose`,
         `settings` and `command`.
 
     Raises:
@@ -348,6 +349,16 @@ def parse_args(argv, environ=None):
         "--remote-shell", metavar="CMD",
         help=f"the command that starts ranks on other hosts, called as `CMD HOST COMMAND...` as "
         f"ssh is (default: ${REMOTE_SHELL_VARIABLE}, else the MPI launcher's own: ssh)"
+    )
+    parser.add_argument(
+        "--transport", choices=("mpi", "tcp"),
+        help="how the ranks reach each other: mpi (the default: started by the MPI launcher) "
+        "or tcp (started by keras-ring-run itself, no MPI; default: $KERAS_RING_TRANSPORT)"
+    )
+    parser.add_argument(
+        "--network-interface", metavar="IFACE",
+        help="with --transport tcp across hosts: the interface of this host the ranks reach "
+        "the job's rendezvous store on (default: the one that routes to the first host)"
     )
     parser.add_argument(
         "--prefix-output", action="store_true", help="prefix every output line with its rank"
@@ -389,9 +400,14 @@ def parse_args(argv, environ=None):
         parser.error("give -H or --hostfile, not both.")
     if options.hosts is not None:
         options.hosts = _parse_hosts(options.hosts, parser)
+    environ = os.environ if environ is None else environ
+    if options.transport is None:
+        options.transport = environ.get("KERAS_RING_TRANSPORT") or "mpi"
+        if options.transport not in ("mpi", "tcp"):
+            parser.error(f"KERAS_RING_TRANSPORT must be mpi or tcp. "
+                         f"Received: KERAS_RING_TRANSPORT={options.transport}")
     if options.remote_shell is None:
-        options.remote_shell = (os.environ if environ is None else environ).get(
-            REMOTE_SHELL_VARIABLE) or None
+        options.remote_shell = environ.get(REMOTE_SHELL_VARIABLE) or None
     elif not options.remote_shell.strip():
         parser.error("--remote-shell needs a command, e.g. --remote-shell ssh.")
     options.settings = _settings(options, parser)
@@ -867,6 +883,11 @@ def main(argv=None):
     """
     try:
         options = parse_args(sys.argv[1:] if argv is None else argv)
+        if options.transport == "tcp":
+            from keras_ring import _tcp_jobs
+
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **options.settings}
+            return _tcp_jobs.run_tcp_job(options, env)
         launcher = locate_launcher(read_build_info())
         env = launcher_env(launcher, options, os.environ)
         argv = launcher_command(launcher, options, env)

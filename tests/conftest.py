@@ -53,9 +53,10 @@ def _tail(text):
 def run_ranks():
     """Runs a script as `np` ranks under `keras-ring-run`, as a user would.
 
-    Called as `run_ranks(np, script_path, *args, timeout=300, env=None, check=True)`;
-    `env` adds to (or overrides) this process's environment and the per-rank
-    thread settings. The test fails, showing the end of the output, when the
+    Called as `run_ranks(np, script_path, *args, timeout=300, env=None, check=True,
+    transport=None)`; `env` adds to (or overrides) this process's environment
+    and the per-rank thread settings; `transport` ("mpi" or "tcp") is passed
+    as `--transport` when given. The test fails, showing the end of the output, when the
     job exits with a non-zero code (unless `check` is False) or runs past
     `timeout` seconds (then the launcher's whole process group is stopped).
 
@@ -63,18 +64,19 @@ def run_ranks():
         A `subprocess.CompletedProcess` whose `stdout` holds stdout and stderr.
     """
 
-    def run(np, script_path, *args, timeout=300, env=None, check=True):
+    def run(np, script_path, *args, timeout=300, env=None, check=True, transport=None):
         command = [
             os.path.join(os.path.dirname(sys.executable), "keras-ring-run"),
             "-np",
             str(np),
+            *(["--transport", transport] if transport else []),
             "--",
             sys.executable,
             str(script_path),
             *map(str, args),
         ]
-        return run_job(command, f"{np}-rank job {script_path}", timeout=timeout, env=env,
-                       check=check)
+        label = f"{np}-rank job {script_path}" + (f" over {transport}" if transport else "")
+        return run_job(command, label, timeout=timeout, env=env, check=check)
 
     return run
 

@@ -9,7 +9,7 @@
 #   - its network namespace (`ip netns exec`): its own loopback and 10.77.0.x address;
 #   - its own host name (a UTS namespace; `ip netns exec` leaves the machine's), and
 #     KERAS_RING_HOSTNAME=HOST, so that the engine groups ranks by HOST (unless
-#     KR_NETNS_SET_HOSTNAME=0: then it groups them by MPI's shared-memory domains);
+#     KR_NETNS_SET_HOSTNAME=0: then it groups them by the host name alone);
 #   - its own /dev/shm: $KR_NETNS_SHM/HOST bind-mounted over /dev/shm in the mount namespace
 #     `ip netns exec` makes (which otherwise shares the machine's /dev/shm).
 # The environment is this one's (Hydra's own), as ssh with a shared home and `SendEnv` would

@@ -18,7 +18,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_worker.py")
         {"KERAS_RING_FUSION_THRESHOLD": "0"},
         {"KERAS_RING_CYCLE_TIME": "2"},
         {"KERAS_RING_CACHE_CAPACITY": "0"},
-        {"KERAS_RING_SHM": "0", "KR_TEST_PATH": "mpi"},
+        {"KERAS_RING_SHM": "0", "KR_TEST_PATH": "network"},
         {"KERAS_RING_CPU_KERNELS": "generic"},
     ],
     ids=["fusion", "no-fusion", "cycle-time", "no-cache", "mpi-ring", "generic-kernels"],
@@ -34,8 +34,8 @@ def test_engine_collectives(run_ranks, np_, settings):
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "hosts, settings, path",
-    [("2,2", {}, "hierarchical"), ("2,2", {"KERAS_RING_HIERARCHICAL_ALLREDUCE": "0"}, "mpi"),
-     ("2,1", {}, "mpi")],
+    [("2,2", {}, "hierarchical"), ("2,2", {"KERAS_RING_HIERARCHICAL_ALLREDUCE": "0"}, "network"),
+     ("2,1", {}, "network")],
     ids=["hierarchical", "hierarchical-off", "uneven-hosts"],
 )
 def test_engine_collectives_across_pretended_hosts(run_ranks, hosts, settings, path):

@@ -117,12 +117,13 @@ def test_the_hosts_reach_each_other_and_only_each_other(netns_hosts):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("grouping", ["hostname", "mpi"])
+@pytest.mark.parametrize("grouping", ["hostname", "system"])
 def test_engine_collectives_across_hosts(netns_hosts, grouping):
     # Every collective against NumPy (engine_worker.py) on 2 hosts x 2 ranks: the hierarchical
     # allreduce (shared memory within a host, MPI across) over TCP between the namespaces.
     # "hostname": the engine groups ranks by KERAS_RING_HOSTNAME, as the remote shell sets it;
-    # "mpi": by MPI's shared-memory domains (Hydra's hosts), as on a real cluster.
+    # "system": by each host's own name (gethostname: the remote shell gives each namespace its
+    # own), as on a real cluster.
     env = {"KR_TEST_EXPECTED_SIZE": "4", "KR_TEST_PATH": "hierarchical", "KR_TEST_LOCAL_SIZE": "2",
            "KR_NETNS_SET_HOSTNAME": "1" if grouping == "hostname" else "0"}
     before = netns_hosts.port_bytes()

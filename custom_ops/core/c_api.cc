@@ -2,6 +2,8 @@
 // function catches everything and reports KR_INTERNAL with the message).
 #include "c_api.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -15,6 +17,8 @@
 #include "options.h"
 #include "reduce.h"
 #include "transport/mpi/mpi_world.h"
+#include "transport/tcp/store.h"
+#include "transport/tcp/tcp_world.h"
 
 using keras_ring::Engine;
 using keras_ring::EngineOptions;
@@ -84,6 +88,28 @@ EngineOptions Options(const kr_init_options& o) {
   return options;
 }
 
+// The world `options` ask for.
+std::unique_ptr<keras_ring::World> NewWorld(const EngineOptions& options) {
+  if (options.transport != "tcp") return keras_ring::NewMpiWorld(options.timeout);
+  const auto& tcp = options.tcp;
+  keras_ring::TcpStoreClient store(tcp.rendezvous, tcp.secret, "rank " + std::to_string(tcp.rank),
+                                   options.timeout);
+  keras_ring::TcpWorldOptions o;
+  o.rank = tcp.rank;
+  o.size = tcp.size;
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  o.host = name;
+  o.store = &store;
+  o.secret = tcp.secret;
+  o.timeout = options.timeout;
+  // The address this host reaches the store from is one the launcher's host
+  // (and so, as a rule, the other hosts) can reach it on; loopback for a
+  // one-host job, whose store listens on loopback.
+  o.listen_host = store.local_host();
+  return std::make_unique<keras_ring::TcpWorld>(o);
+}
+
 // The requests as this engine's kr_request, read as far as their caller
 // knew the struct (`copies` holds them where that is not the whole struct).
 const kr_request* Normalise(const kr_request* requests, int n, std::vector<kr_request>* copies) {
@@ -143,8 +169,7 @@ kr_status kr_init_with_options(const kr_init_options* given, char* err, size_t e
     }
     keras_ring::ConfigureLog();
     EngineOptions options = Options(o);
-    std::atomic_store(&current, std::make_shared<Engine>(
-                                    options, keras_ring::NewMpiWorld(options.timeout)));
+    std::atomic_store(&current, std::make_shared<Engine>(options, NewWorld(options)));
     return WithError(KR_OK, "", err, err_len);
   });
 }

@@ -99,6 +99,35 @@ EngineOptions EngineOptions::FromEnvironment() {
   }
   o.timeout = std::chrono::milliseconds(static_cast<long long>(timeout * 1000));
   o.host_name = TextSetting({"KERAS_RING_HOSTNAME"});
+  o.transport = TextSetting({"KERAS_RING_TRANSPORT"});
+  if (o.transport.empty()) o.transport = "mpi";
+  if (o.transport != "mpi" && o.transport != "tcp") {
+    throw EngineError("keras-ring: KERAS_RING_TRANSPORT must be mpi or tcp. Received: "
+                      "KERAS_RING_TRANSPORT=" + o.transport);
+  }
+  if (o.transport == "tcp") {
+    const char* needed[] = {"KERAS_RING_RANK", "KERAS_RING_SIZE", "KERAS_RING_RENDEZVOUS",
+                            "KERAS_RING_SECRET"};
+    for (const char* name : needed) {
+      if (TextSetting({name}).empty()) {
+        throw EngineError(std::string("keras-ring: KERAS_RING_TRANSPORT=tcp, but ") + name +
+                          " is not set: a TCP job is started by `keras-ring-run --transport tcp`, "
+                          "which gives every rank its rank, the job's size, the address of its "
+                          "rendezvous store and its secret");
+      }
+    }
+    o.tcp.size = static_cast<int>(
+        Setting<unsigned long long>({"KERAS_RING_SIZE"}, 1, "a number of ranks", ParseCount));
+    o.tcp.rank = static_cast<int>(
+        Setting<unsigned long long>({"KERAS_RING_RANK"}, 0, "a rank", ParseCount));
+    if (o.tcp.size < 1 || o.tcp.rank >= o.tcp.size) {
+      throw EngineError("keras-ring: KERAS_RING_RANK must lie in [0, KERAS_RING_SIZE). "
+                        "Received: KERAS_RING_RANK=" + TextSetting({"KERAS_RING_RANK"}) +
+                        ", KERAS_RING_SIZE=" + TextSetting({"KERAS_RING_SIZE"}));
+    }
+    o.tcp.rendezvous = TextSetting({"KERAS_RING_RENDEZVOUS"});
+    o.tcp.secret = TextSetting({"KERAS_RING_SECRET"});
+  }
   return o;
 }
 

@@ -30,6 +30,15 @@ struct EngineOptions {
   // same name share memory; tests use it to run multi-host paths on one
   // machine). Empty: the world's.
   std::string host_name;
+  // The world the C ABI starts: "mpi" (started by an MPI launcher) or "tcp"
+  // (started by keras-ring-run --transport tcp, which gives each rank what
+  // follows).
+  std::string transport = "mpi";
+  struct {
+    int rank = 0, size = 1;
+    std::string rendezvous;  // host:port of the job's store
+    std::string secret;      // the job's; every connection proves it holds it
+  } tcp;
 
   // Throws EngineError naming the variable and its value for a bad one.
   static EngineOptions FromEnvironment();

@@ -297,7 +297,7 @@ def test_transport(rank, size):
         return
     stats = _engine.stats()
     shm, hierarchical = stats["shm_collectives"], stats["hierarchical_collectives"]
-    got = "hierarchical" if hierarchical else "shm" if shm else "mpi"
+    got = "hierarchical" if hierarchical else "shm" if shm else "network"
     if got != expected or (hierarchical and hierarchical != shm):
         fail(f"expected the {expected} path, the engine counted {shm} shared-memory "
              f"allreduces, {hierarchical} of them hierarchical")

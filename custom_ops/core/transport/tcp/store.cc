@@ -1,5 +1,9 @@
 #include "store.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -149,6 +153,19 @@ std::vector<char> TcpStoreClient::Get(const std::string& key, std::chrono::milli
               Clock::now() + timeout + kReplyMargin, "getting key '" + key + "'");
   if (reply[0] == '\x01') throw EngineError(TimeoutMessage(key, timeout, " at " + address_));
   return std::vector<char>(reply.begin() + 1, reply.end());
+}
+
+std::string TcpStoreClient::local_host() const {
+  sockaddr_storage address{};
+  socklen_t length = sizeof address;
+  char text[INET6_ADDRSTRLEN] = {};
+  if (getsockname(socket_.fd(), reinterpret_cast<sockaddr*>(&address), &length) != 0) return "";
+  if (address.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&address)->sin_addr, text, sizeof text);
+  } else if (address.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&address)->sin6_addr, text, sizeof text);
+  }
+  return text;
 }
 
 }  // namespace keras_ring

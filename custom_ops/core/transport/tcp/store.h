@@ -78,6 +78,10 @@ class TcpStoreClient : public Store {
   void Set(const std::string& key, const std::vector<char>& value) override;
   std::vector<char> Get(const std::string& key, std::chrono::milliseconds timeout) override;
 
+  // This end's address on the connection: one the server's host reaches this
+  // host by (loopback when the server is on loopback).
+  std::string local_host() const;
+
  private:
   // Sends one request and returns the reply's payload.
   std::string Request(const std::string& request, Clock::time_point deadline,

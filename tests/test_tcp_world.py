@@ -1,0 +1,127 @@
+"""Jobs over the TCP world (`keras-ring-run --transport tcp`): no MPI launcher, no MPI.
+
+The multi-rank collective tests, the Keras equivalence test and the failure
+tests run here as they run over MPI; and the job's rendezvous store and its
+ranks refuse connections that do not hold the job's secret, while the job
+goes on.
+"""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import RANK_THREAD_ENV
+
+WORKERS = pathlib.Path(__file__).parent / "workers"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("settings", [{"KR_TEST_PATH": "shm"},
+                                      {"KERAS_RING_SHM": "0", "KR_TEST_PATH": "network"}],
+                         ids=["shm", "tcp-ring"])
+@pytest.mark.parametrize("np_", [2, 3])
+def test_engine_collectives_over_tcp(run_ranks, np_, settings):
+    env = {"KR_TEST_EXPECTED_SIZE": str(np_), **settings}
+    result = run_ranks(np_, WORKERS / "engine_worker.py", timeout=600, env=env, transport="tcp")
+    for rank in range(np_):
+        assert f"rank {rank}: test_restart ok" in result.stdout
+
+
+@pytest.mark.multirank
+def test_hierarchical_allreduce_over_tcp_across_pretended_hosts(run_ranks):
+    env = {"KR_TEST_EXPECTED_SIZE": "4", "KR_TEST_PATH": "hierarchical"}
+    result = run_ranks(4, WORKERS / "fake_hosts.py", "2,2", WORKERS / "engine_worker.py",
+                       timeout=600, env=env, transport="tcp")
+    for rank in range(4):
+        assert f"rank {rank}: test_restart ok" in result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tf_ops_over_tcp(run_ranks, np_):
+    run_ranks(np_, WORKERS / "tf_ops_worker.py", timeout=600, transport="tcp")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np_", [2, 3])
+def test_keras_equivalence_over_tcp(run_ranks, np_):
+    run_ranks(np_, WORKERS / "keras_equivalence_worker.py", "core", timeout=300, transport="tcp")
+
+
+@pytest.mark.multirank
+def test_a_rank_that_exits_fails_the_others_over_tcp(run_ranks):
+    result = run_ranks(3, WORKERS / "early_exit_worker.py", timeout=120, check=False,
+                       transport="tcp")
+    # Rank 1 exits (3), the others fail naming it and exit (4): whichever the launcher sees first.
+    assert result.returncode in (3, 4), result.stdout
+    assert re.search(r"keras-ring-run: rank \d exited with code [34]", result.stdout)
+    for rank in (0, 2):
+        assert f"rank {rank} error: keras-ring: rank 1 shut down" in result.stdout, result.stdout
+
+
+def _listening_ports(pid):
+    """The TCP ports process `pid` listens on."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return sorted({int(m[1]) for m in re.finditer(rf"\S+:(\d+)\s.*pid={pid},", out)})
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _intrude(port):
+    """Connects without the secret twice, garbage then a wrong handshake; True if both refused."""
+    refused = 0
+    for payload in (b"\x00\x00\x00\x05hello, is this the job?", b"KRS1" + b"x" * 200):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            try:
+                s.sendall(payload)
+                s.settimeout(10)
+                while s.recv(4096):  # whatever the greeting, then the close
+                    pass
+                refused += 1
+            except (ConnectionResetError, BrokenPipeError):
+                refused += 1
+    return refused == 2
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_connections_without_the_secret_are_refused_while_the_job_goes_on(tmp_path):
+    if subprocess.run(["ss", "-V"], capture_output=True).returncode != 0:
+        pytest.skip("needs ss (iproute2) to find the job's ports")
+    go = tmp_path / "go"
+    launcher = os.path.join(os.path.dirname(sys.executable), "keras-ring-run")
+    job = subprocess.Popen(
+        [launcher, "--transport", "tcp", "-np", "2", "--prefix-output", sys.executable,
+         str(WORKERS / "intruder_worker.py")],
+        env={**os.environ, **RANK_THREAD_ENV, "KR_TEST_GO": str(go)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        # The store (keras-ring-run's) and rank 0 (waiting for rank 1) listen on loopback.
+        deadline = time.monotonic() + 60
+        store_ports = rank0_ports = []
+        while time.monotonic() < deadline and not (store_ports and rank0_ports):
+            time.sleep(0.1)
+            store_ports = _listening_ports(job.pid)
+            ranks = _children(job.pid)
+            rank0_ports = _listening_ports(ranks[0]) if ranks else []
+        assert store_ports and rank0_ports, "the job's ports did not appear"
+        assert _intrude(store_ports[0]), "the store served a client without the secret"
+        assert _intrude(rank0_ports[0]), "rank 0 kept a connection without the secret"
+        go.write_text("go")
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, output
+    assert "[0] rank 0: allreduce ok after the intruders" in output
+    assert "[1] rank 1: allreduce ok after the intruders" in output
+    assert output.count("refused a connection from 127.0.0.1") >= 4, output
