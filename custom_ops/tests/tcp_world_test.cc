@@ -430,6 +430,44 @@ KR_TEST(TcpWorldControlMessages) {
   });
 }
 
+// One thread moves data while another posts and takes control messages on
+// the same world: the world's state is shared under its lock.
+KR_TEST(TcpWorldUsedFromTwoThreads) {
+  constexpr int kRounds = 30, kMessages = 100;
+  RunTcpRanks(2, [&](TcpWorld& world) {
+    const int me = world.rank(), peer = 1 - me;
+    std::thread control([&] {
+      for (int k = 0; k < kMessages; ++k) {
+        world.Post(peer, std::make_shared<std::vector<char>>(Pattern(k * 31, me, k)));
+      }
+      int next = 0;
+      const auto deadline = Clock::now() + milliseconds(10000);
+      while (next < kMessages && Clock::now() < deadline) {
+        int from;
+        std::vector<char> message;
+        if (!world.Receive(&from, &message)) {
+          std::this_thread::sleep_for(milliseconds(1));
+          continue;
+        }
+        if (message != Pattern(next * 31, peer, next)) KR_FAIL("control message differs");
+        ++next;
+      }
+      KR_EXPECT_EQ(next, kMessages);
+      world.Flush();
+    });
+    std::unique_ptr<Transport> t = world.Connect({0, 1}, 0);
+    for (int i = 0; i < kRounds; ++i) {
+      const std::vector<char> out = Pattern(size_t(256) << 10, me, i);
+      std::vector<char> in(out.size());
+      keras_ring::PendingPtr send = t->Isend(out.data(), out.size(), peer, 0);
+      t->Recv(in.data(), in.size(), peer, 0);
+      send->Wait();
+      if (in != Pattern(in.size(), peer, i)) KR_FAIL("data differs in round " + std::to_string(i));
+    }
+    control.join();
+  });
+}
+
 // True if the other end closes or resets `fd` within a few seconds, whatever
 // it sent first.
 bool ClosedByPeer(int fd) {

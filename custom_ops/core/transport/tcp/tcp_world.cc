@@ -28,10 +28,10 @@ constexpr uint8_t kDataFrame = 0;
 constexpr uint8_t kControlFrame = 1;
 // Socket reads land here when no large payload is being read: many small
 // frames then cost one recv() between them.
-constexpr size_t kStagingBytes = size_t(256) << 10;
+constexpr size_t kStagingBytes = size_t(64) << 10;
 // A payload with at least this much left is read straight into its
 // destination, with no copy.
-constexpr size_t kDirectReadBytes = size_t(64) << 10;
+constexpr size_t kDirectReadBytes = size_t(16) << 10;
 // The most one pass moves on one connection in one direction before the
 // others get their turn: a ring rank must keep its send to the next rank
 // flowing while it drains the previous one.
