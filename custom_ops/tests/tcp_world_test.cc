@@ -239,6 +239,31 @@ KR_TEST(TcpWorldOfOneRank) {
   });
 }
 
+KR_TEST(TcpWorldChecksItsOptions) {
+  InMemoryStore store;
+  TcpWorldOptions o = Options(0, 2, &store, milliseconds(1000));
+  o.secret = "";
+  KR_EXPECT_THROW(TcpWorld{o}, EngineError, "the job's secret, got an empty one");
+  o = Options(0, 2, nullptr, milliseconds(1000));
+  KR_EXPECT_THROW(TcpWorld{o}, EngineError, "a store to find the other ranks through");
+  o = Options(0, 2, &store, milliseconds(1000));
+  o.listen_host = "0.0.0.0";
+  KR_EXPECT_THROW(TcpWorld{o}, EngineError, "that the other ranks can reach");
+  o = Options(2, 2, &store, milliseconds(1000));
+  KR_EXPECT_THROW(TcpWorld{o}, EngineError, "got rank 2 of 2");
+}
+
+// A rank that never comes: the bootstrap fails within the timeout, naming it.
+KR_TEST(TcpWorldBootstrapTimesOutNamingTheMissingRank) {
+  InMemoryStore store, empty;
+  const auto start = Clock::now();
+  KR_EXPECT_THROW(TcpWorld(Options(0, 2, &store, milliseconds(300))), EngineError,
+                  "rank 0 waited 300 ms for rank 1 to connect to it");
+  KR_EXPECT_THROW(TcpWorld(Options(2, 3, &empty, milliseconds(300))), EngineError,
+                  "rank 2 could not connect to rank 0 within 300 ms");
+  KR_EXPECT(Clock::now() - start < milliseconds(3000));
+}
+
 // Groups share the world's connections, each with its own tags.
 KR_TEST(TcpWorldConnectGroups) {
   RunTcpRanks(3, [](TcpWorld& world) {

@@ -578,6 +578,9 @@ TcpWorld::TcpWorld(const TcpWorldOptions& o) {
                std::to_string(o.size));
   KR_CHECK(o.store != nullptr, "a store to find the other ranks through, got null");
   KR_CHECK(!o.secret.empty(), "the job's secret, got an empty one");
+  KR_CHECK(!o.listen_host.empty() && o.listen_host != "0.0.0.0" && o.listen_host != "::",
+           "an address to listen on that the other ranks can reach (it is published as this "
+           "rank's), got '" + o.listen_host + "'");
   KR_CHECK(o.timeout.count() > 0,
            "a positive timeout, got " + std::to_string(o.timeout.count()) + " ms");
   state_ = std::make_unique<State>(o);
