@@ -509,7 +509,8 @@ bool ClosedByPeer(int fd) {
 }
 
 // Connections without the secret, or with garbage, are refused while the
-// world waits for its real peer, which then connects and works.
+// world waits for its real peer, which then connects and works; one that
+// says nothing does not hold the real peer up.
 KR_TEST(TcpWorldRefusesConnectionsWithoutTheSecret) {
   InMemoryStore store;
   const milliseconds timeout(20000);
@@ -529,6 +530,7 @@ KR_TEST(TcpWorldRefusesConnectionsWithoutTheSecret) {
   const keras_ring::HostPort address =
       keras_ring::ParseHostPort(std::string(value.begin(), value.end()), "rank 0's address");
   const auto deadline = Clock::now() + milliseconds(5000);
+  keras_ring::Socket silent = keras_ring::ConnectBefore(address.host, address.port, deadline);
   {
     keras_ring::Socket s = keras_ring::ConnectBefore(address.host, address.port, deadline);
     KR_EXPECT_THROW(
@@ -542,7 +544,11 @@ KR_TEST(TcpWorldRefusesConnectionsWithoutTheSecret) {
     KR_EXPECT(ClosedByPeer(s.fd()));
   }
   try {
+    const auto start = Clock::now();
     TcpWorld world(Options(1, 2, &store, timeout));
+    KR_EXPECT(Clock::now() - start < milliseconds(5000));
+    // Rank 0 dropped the silent connection once its mesh was complete.
+    KR_EXPECT(ClosedByPeer(silent.fd()));
     std::unique_ptr<Transport> t = world.Connect({0, 1}, 0);
     int32_t v = 77;
     t->Send(&v, sizeof(v), 0, 0);
