@@ -179,6 +179,7 @@ class RendezvousServer:
         """Starts listening and serving on a thread."""
         if self._listener is not None:
             raise RuntimeError("the rendezvous server is started already")
+        self._stopping = False
         family = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)[0][0]
         self._listener = socket.create_server((self._host, self._port), family=family)
         self._accept_thread = threading.Thread(

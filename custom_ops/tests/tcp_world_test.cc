@@ -239,6 +239,31 @@ KR_TEST(TcpWorldOfOneRank) {
   });
 }
 
+KR_TEST(TcpWorldChecksItsOptions) {
+  InMemoryStore store;
+  TcpWorldOptions o = Options(0, 2, &store, milliseconds(1000));
+  o.secret = "";
+  KR_EXPECT_THROW(TcpWorld{o}, EngineError, "the job's secret, got an empty one");
+  o = Options(0, 2, nullptr, milliseconds(1000));
+  KR_EXPECT_THROW(TcpWorld{o}, EngineError, "a store to find the other ranks through");
+  o = Options(0, 2, &store, milliseconds(1000));
+  o.listen_host = "0.0.0.0";
+  KR_EXPECT_THROW(TcpWorld{o}, EngineError, "that the other ranks can reach");
+  o = Options(2, 2, &store, milliseconds(1000));
+  KR_EXPECT_THROW(TcpWorld{o}, EngineError, "got rank 2 of 2");
+}
+
+// A rank that never comes: the bootstrap fails within the timeout, naming it.
+KR_TEST(TcpWorldBootstrapTimesOutNamingTheMissingRank) {
+  InMemoryStore store, empty;
+  const auto start = Clock::now();
+  KR_EXPECT_THROW(TcpWorld(Options(0, 2, &store, milliseconds(300))), EngineError,
+                  "rank 0 waited 300 ms for rank 1 to connect to it");
+  KR_EXPECT_THROW(TcpWorld(Options(2, 3, &empty, milliseconds(300))), EngineError,
+                  "rank 2 could not connect to rank 0 within 300 ms");
+  KR_EXPECT(Clock::now() - start < milliseconds(3000));
+}
+
 // Groups share the world's connections, each with its own tags.
 KR_TEST(TcpWorldConnectGroups) {
   RunTcpRanks(3, [](TcpWorld& world) {
@@ -430,6 +455,44 @@ KR_TEST(TcpWorldControlMessages) {
   });
 }
 
+// One thread moves data while another posts and takes control messages on
+// the same world: the world's state is shared under its lock.
+KR_TEST(TcpWorldUsedFromTwoThreads) {
+  constexpr int kRounds = 30, kMessages = 100;
+  RunTcpRanks(2, [&](TcpWorld& world) {
+    const int me = world.rank(), peer = 1 - me;
+    std::thread control([&] {
+      for (int k = 0; k < kMessages; ++k) {
+        world.Post(peer, std::make_shared<std::vector<char>>(Pattern(k * 31, me, k)));
+      }
+      int next = 0;
+      const auto deadline = Clock::now() + milliseconds(10000);
+      while (next < kMessages && Clock::now() < deadline) {
+        int from;
+        std::vector<char> message;
+        if (!world.Receive(&from, &message)) {
+          std::this_thread::sleep_for(milliseconds(1));
+          continue;
+        }
+        if (message != Pattern(next * 31, peer, next)) KR_FAIL("control message differs");
+        ++next;
+      }
+      KR_EXPECT_EQ(next, kMessages);
+      world.Flush();
+    });
+    std::unique_ptr<Transport> t = world.Connect({0, 1}, 0);
+    for (int i = 0; i < kRounds; ++i) {
+      const std::vector<char> out = Pattern(size_t(256) << 10, me, i);
+      std::vector<char> in(out.size());
+      keras_ring::PendingPtr send = t->Isend(out.data(), out.size(), peer, 0);
+      t->Recv(in.data(), in.size(), peer, 0);
+      send->Wait();
+      if (in != Pattern(in.size(), peer, i)) KR_FAIL("data differs in round " + std::to_string(i));
+    }
+    control.join();
+  });
+}
+
 // True if the other end closes or resets `fd` within a few seconds, whatever
 // it sent first.
 bool ClosedByPeer(int fd) {
@@ -446,7 +509,8 @@ bool ClosedByPeer(int fd) {
 }
 
 // Connections without the secret, or with garbage, are refused while the
-// world waits for its real peer, which then connects and works.
+// world waits for its real peer, which then connects and works; one that
+// says nothing does not hold the real peer up.
 KR_TEST(TcpWorldRefusesConnectionsWithoutTheSecret) {
   InMemoryStore store;
   const milliseconds timeout(20000);
@@ -466,6 +530,7 @@ KR_TEST(TcpWorldRefusesConnectionsWithoutTheSecret) {
   const keras_ring::HostPort address =
       keras_ring::ParseHostPort(std::string(value.begin(), value.end()), "rank 0's address");
   const auto deadline = Clock::now() + milliseconds(5000);
+  keras_ring::Socket silent = keras_ring::ConnectBefore(address.host, address.port, deadline);
   {
     keras_ring::Socket s = keras_ring::ConnectBefore(address.host, address.port, deadline);
     KR_EXPECT_THROW(
@@ -479,7 +544,11 @@ KR_TEST(TcpWorldRefusesConnectionsWithoutTheSecret) {
     KR_EXPECT(ClosedByPeer(s.fd()));
   }
   try {
+    const auto start = Clock::now();
     TcpWorld world(Options(1, 2, &store, timeout));
+    KR_EXPECT(Clock::now() - start < milliseconds(5000));
+    // Rank 0 dropped the silent connection once its mesh was complete.
+    KR_EXPECT(ClosedByPeer(silent.fd()));
     std::unique_ptr<Transport> t = world.Connect({0, 1}, 0);
     int32_t v = 77;
     t->Send(&v, sizeof(v), 0, 0);

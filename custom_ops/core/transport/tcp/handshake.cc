@@ -1,5 +1,8 @@
 #include "handshake.h"
 
+#include <sys/socket.h>
+
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 
@@ -73,33 +76,50 @@ void ConnectHandshake(int fd, const std::string& secret, int from, int to, int s
   }
 }
 
-int AcceptHandshake(int fd, const std::string& secret, int me, int size,
-                    Clock::time_point deadline) {
-  const std::string nonce_a = RandomBytes(kNonceBytes);
-  const std::string hello = std::string(kMagic, sizeof(kMagic)) + nonce_a;
-  WriteFully(fd, hello.data(), hello.size(), deadline, "the handshake");
-  char message[kConnectBytes];
-  ReadFully(fd, message, sizeof(message), deadline, "the handshake");
-  if (std::memcmp(message, kMagic, sizeof(kMagic)) != 0) {
+AcceptingHandshake::AcceptingHandshake(int fd, const std::string& secret, int me, int size)
+    : fd_(fd), secret_(secret), me_(me), size_(size), nonce_a_(RandomBytes(kNonceBytes)) {
+  static_assert(kAnswerBytes == kConnectBytes, "the connector's message");
+  const std::string hello = std::string(kMagic, sizeof(kMagic)) + nonce_a_;
+  WriteFully(fd_, hello.data(), hello.size(), Clock::now(), "the handshake");
+}
+
+int AcceptingHandshake::Feed() {
+  while (got_ < kAnswerBytes) {
+    const ssize_t n = recv(fd_, answer_ + got_, kAnswerBytes - got_, 0);
+    if (n > 0) {
+      got_ += static_cast<size_t>(n);
+    } else if (n == 0) {
+      throw EngineError("keras-ring: it closed the connection during the handshake (" +
+                        std::to_string(got_) + " of " + std::to_string(kAnswerBytes) +
+                        " bytes came)");
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return -1;
+    } else if (errno != EINTR) {
+      throw EngineError(std::string("keras-ring: reading its handshake failed: ") +
+                        std::strerror(errno));
+    }
+  }
+  if (std::memcmp(answer_, kMagic, sizeof(kMagic)) != 0) {
     throw EngineError("keras-ring: it did not open with a keras-ring handshake");
   }
-  const std::string nonce_c(message + sizeof(kMagic), kNonceBytes);
-  const char* ranks = message + sizeof(kMagic) + kNonceBytes;
+  const std::string nonce_c(answer_ + sizeof(kMagic), kNonceBytes);
+  const char* ranks = answer_ + sizeof(kMagic) + kNonceBytes;
   if (!DigestsEqual(AsDigest(ranks + 12),
-                    PeerMac(secret, "keras-ring peer connect", nonce_a, nonce_c, ranks))) {
+                    PeerMac(secret_, "keras-ring peer connect", nonce_a_, nonce_c, ranks))) {
     throw EngineError("keras-ring: it does not hold the job's secret");
   }
   const uint32_t from = GetU32(ranks), to = GetU32(ranks + 4), world = GetU32(ranks + 8);
-  if (to != static_cast<uint32_t>(me) || world != static_cast<uint32_t>(size) ||
+  if (to != static_cast<uint32_t>(me_) || world != static_cast<uint32_t>(size_) ||
       from <= to || from >= world) {
     throw EngineError("keras-ring: it says it is rank " + std::to_string(from) + " of " +
                       std::to_string(world) + " connecting to rank " + std::to_string(to) +
-                      "; this is rank " + std::to_string(me) + " of " + std::to_string(size) +
+                      "; this is rank " + std::to_string(me_) + " of " + std::to_string(size_) +
                       ", which only higher ranks connect to");
   }
   const std::string proof =
-      AsString(PeerMac(secret, "keras-ring peer accept", nonce_a, nonce_c, ranks));
-  WriteFully(fd, proof.data(), proof.size(), deadline, "the handshake's proof");
+      AsString(PeerMac(secret_, "keras-ring peer accept", nonce_a_, nonce_c, ranks));
+  // Only the 36-byte hello went before it: the send buffer has room.
+  WriteFully(fd_, proof.data(), proof.size(), Clock::now(), "the handshake's proof");
   return static_cast<int>(from);
 }
 

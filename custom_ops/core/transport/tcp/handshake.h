@@ -28,10 +28,32 @@ namespace keras_ring {
 void ConnectHandshake(int fd, const std::string& secret, int from, int to, int size,
                       Clock::time_point deadline);
 
-// Rank `me` accepted a connection; returns the connecting rank, which has
-// proved it holds `secret` and is a rank above `me` of a world of `size`.
-// Throws EngineError saying why otherwise (the caller refuses the connection).
-int AcceptHandshake(int fd, const std::string& secret, int me, int size,
-                    Clock::time_point deadline);
+// Rank `me`'s side of a connection it accepted, taken a step at a time so
+// that one listener can authenticate several connections at once and a
+// client that connects and says nothing holds up no other.
+class AcceptingHandshake {
+ public:
+  // Sends the hello on `fd`, a fresh non-blocking socket (whose empty buffer
+  // takes it at once).
+  AcceptingHandshake(int fd, const std::string& secret, int me, int size);
+
+  // Reads what has arrived, without waiting. Returns -1 while the answer is
+  // incomplete; once it is in, checks it, sends the proof and returns the
+  // connecting rank, which has proved it holds `secret` and is a rank above
+  // `me` of a world of `size`. Throws EngineError saying why otherwise (the
+  // caller refuses the connection).
+  int Feed();
+
+ private:
+  static constexpr size_t kAnswerBytes = 80;
+
+  int fd_;
+  const std::string secret_;
+  int me_;
+  int size_;
+  std::string nonce_a_;
+  char answer_[kAnswerBytes];
+  size_t got_ = 0;
+};
 
 }  // namespace keras_ring

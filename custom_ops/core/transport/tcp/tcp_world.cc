@@ -28,21 +28,23 @@ constexpr uint8_t kDataFrame = 0;
 constexpr uint8_t kControlFrame = 1;
 // Socket reads land here when no large payload is being read: many small
 // frames then cost one recv() between them.
-constexpr size_t kStagingBytes = size_t(256) << 10;
+constexpr size_t kStagingBytes = size_t(64) << 10;
 // A payload with at least this much left is read straight into its
 // destination, with no copy.
-constexpr size_t kDirectReadBytes = size_t(64) << 10;
+constexpr size_t kDirectReadBytes = size_t(16) << 10;
 // The most one pass moves on one connection in one direction before the
 // others get their turn: a ring rank must keep its send to the next rank
-// flowing while it drains the previous one.
-constexpr size_t kPassBytes = size_t(4) << 20;
+// flowing while it drains the previous one. Copying 1 MiB takes less time
+// than a 4 MiB send buffer takes to drain even at 100 Gb/s.
+constexpr size_t kPassBytes = size_t(1) << 20;
 constexpr int kMaxIov = 64;
 // A thread waiting in poll() wakes at least this often, so that work another
 // thread queued meanwhile (which this poll does not watch) waits no longer.
 constexpr int kPollSliceMs = 20;
-// How long an accepted connection may take to authenticate: a stray client
-// that connects and sends nothing delays the mesh by this much at most.
+// How long an accepted connection may take to authenticate, and how many may
+// be authenticating at once.
 constexpr auto kAcceptHandshakeTimeout = std::chrono::seconds(10);
+constexpr size_t kMaxAccepting = 64;
 
 void EncodeHeader(char* out, uint8_t kind, uint32_t tag, uint64_t bytes) {
   out[0] = static_cast<char>(kind);
@@ -578,6 +580,9 @@ TcpWorld::TcpWorld(const TcpWorldOptions& o) {
                std::to_string(o.size));
   KR_CHECK(o.store != nullptr, "a store to find the other ranks through, got null");
   KR_CHECK(!o.secret.empty(), "the job's secret, got an empty one");
+  KR_CHECK(!o.listen_host.empty() && o.listen_host != "0.0.0.0" && o.listen_host != "::",
+           "an address to listen on that the other ranks can reach (it is published as this "
+           "rank's), got '" + o.listen_host + "'");
   KR_CHECK(o.timeout.count() > 0,
            "a positive timeout, got " + std::to_string(o.timeout.count()) + " ms");
   state_ = std::make_unique<State>(o);
@@ -610,9 +615,22 @@ TcpWorld::TcpWorld(const TcpWorldOptions& o) {
                         std::to_string(o.timeout.count()) + " ms: " + Reason(e));
     }
   }
+  // Connections are authenticated side by side, so that a client that
+  // connects and says nothing holds up no real peer.
+  struct Accepting {
+    Socket socket;
+    std::string address;
+    std::unique_ptr<AcceptingHandshake> handshake;
+    Clock::time_point deadline;
+  };
+  std::vector<Accepting> accepting;
+  auto refuse = [&](const std::string& address, const std::string& why) {
+    KR_LOG(kWarning, me + " refused a connection from " + address + ": " + why);
+  };
   int waiting = o.size - 1 - o.rank;
   while (waiting > 0) {
-    if (Clock::now() >= deadline) {
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) {
       std::string missing;
       for (int j = o.rank + 1; j < o.size; ++j) {
         if (!state_->peers[j].socket.valid()) missing += (missing.empty() ? "" : ", ") + R(j);
@@ -620,22 +638,56 @@ TcpWorld::TcpWorld(const TcpWorldOptions& o) {
       throw EngineError("keras-ring: " + me + " waited " + std::to_string(o.timeout.count()) +
                         " ms for " + missing + " to connect to it at " + address);
     }
-    pollfd p{listener.fd(), POLLIN, 0};
-    if (poll(&p, 1, MillisecondsUntil(deadline)) <= 0) continue;
-    std::string from_address;
-    Socket s = AcceptPending(listener.fd(), &from_address);
-    if (!s.valid()) continue;
-    try {
-      const int from = AcceptHandshake(s.fd(), o.secret, o.rank, o.size,
-                                       std::min(deadline, Clock::now() + kAcceptHandshakeTimeout));
-      if (state_->peers[from].socket.valid()) {
-        throw EngineError("keras-ring: " + R(from) + " is connected already");
+    Clock::time_point wake = deadline;
+    for (auto it = accepting.begin(); it != accepting.end();) {
+      if (now >= it->deadline) {
+        refuse(it->address, "it did not finish the handshake within " +
+                                std::to_string(kAcceptHandshakeTimeout.count()) + " s");
+        it = accepting.erase(it);
+      } else {
+        wake = std::min(wake, it->deadline);
+        ++it;
       }
-      state_->peers[from].socket = std::move(s);
-      --waiting;
-    } catch (const EngineError& e) {
-      KR_LOG(kWarning, me + " refused a connection from " + from_address + ": " + Reason(e));
     }
+    std::vector<pollfd> fds{{listener.fd(), POLLIN, 0}};
+    for (const Accepting& a : accepting) fds.push_back({a.socket.fd(), POLLIN, 0});
+    if (poll(fds.data(), fds.size(), MillisecondsUntil(wake)) <= 0) continue;
+    // Back to front, so that erasing one leaves the others' indices valid.
+    for (size_t i = fds.size() - 1; i >= 1; --i) {
+      if (fds[i].revents == 0) continue;
+      Accepting& a = accepting[i - 1];
+      try {
+        const int from = a.handshake->Feed();
+        if (from < 0) continue;
+        if (state_->peers[from].socket.valid()) {
+          throw EngineError("keras-ring: " + R(from) + " is connected already");
+        }
+        state_->peers[from].socket = std::move(a.socket);
+        --waiting;
+      } catch (const EngineError& e) {
+        refuse(a.address, Reason(e));
+      }
+      accepting.erase(accepting.begin() + static_cast<long>(i - 1));
+    }
+    if (fds[0].revents == 0) continue;
+    if (accepting.size() >= kMaxAccepting) {
+      // Full of strangers: the oldest makes room, so a real peer still gets in.
+      refuse(accepting.front().address, "too many connections were authenticating at once");
+      accepting.erase(accepting.begin());
+    }
+    Accepting a;
+    a.socket = AcceptPending(listener.fd(), &a.address);
+    if (!a.socket.valid()) continue;
+    try {
+      a.handshake = std::make_unique<AcceptingHandshake>(a.socket.fd(), o.secret, o.rank, o.size);
+      a.deadline = std::min(deadline, Clock::now() + kAcceptHandshakeTimeout);
+      accepting.push_back(std::move(a));
+    } catch (const EngineError& e) {
+      refuse(a.address, Reason(e));
+    }
+  }
+  for (const Accepting& a : accepting) {
+    refuse(a.address, "the mesh was complete before it finished the handshake");
   }
   // Socket buffer sizes are left to Linux's autotuning, which grows them to
   // tcp_wmem/tcp_rmem's maximum (4-6 MiB) as the link needs: setting
