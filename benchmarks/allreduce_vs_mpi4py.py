@@ -1,6 +1,13 @@
 """Allreduce time: keras-ring (TF op and engine binding) against mpi4py on the same MPI.
 
     keras-ring-run -np 2 python benchmarks/allreduce_vs_mpi4py.py [--sizes-mib 1 4 16] [--iters 20]
+        [--transport mpi tcp] [--store-host ADDRESS]
+
+With `--transport mpi tcp` keras-ring runs once on each world in the same job
+(`shutdown()` and `init()` between them): on the MPI world, and on the TCP
+world, whose rendezvous store rank 0 serves itself on `--store-host`
+(loopback by default; across hosts, an address of rank 0's host that the
+others reach), while mpi4py's baseline stays on the job's MPI.
 
 Every method reduces the same float32 buffer, interleaved round by round so
 that the machine's noise hits all methods alike. Rank 0 prints a table (median
@@ -15,6 +22,7 @@ each method's time is also printed as a multiple of it.
 
 import argparse
 import os
+import secrets
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # idle BLAS threads spin otherwise
@@ -27,12 +35,32 @@ from mpi4py import MPI  # noqa: E402  (initialises MPI before keras-ring, which 
 
 import keras_ring as kr  # noqa: E402
 from keras_ring import _engine  # noqa: E402
+from keras_ring._rendezvous import RendezvousServer  # noqa: E402
+
+
+def start_tcp_world(comm, store_host, servers):
+    """Restarts keras-ring on the TCP world, rank 0 serving the store (kept in `servers`)."""
+    kr.shutdown()
+    secret = address = None
+    if comm.rank == 0:
+        secret = secrets.token_hex(32)
+        server = RendezvousServer(secret.encode(), host=store_host)
+        server.start()
+        servers.append(server)
+        address = f"{store_host}:{server.address[1]}"
+    secret, address = comm.bcast((secret, address), root=0)
+    os.environ.update(KERAS_RING_TRANSPORT="tcp", KERAS_RING_RANK=str(comm.rank),
+                      KERAS_RING_SIZE=str(comm.size), KERAS_RING_RENDEZVOUS=address,
+                      KERAS_RING_SECRET=secret)
+    kr.init()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--transport", nargs="+", choices=("mpi", "tcp"), default=["mpi"])
+    parser.add_argument("--store-host", default="127.0.0.1")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
 
@@ -46,33 +74,44 @@ def main():
                          "the comparison would be meaningless")
 
     rows = []
-    for mib in args.sizes_mib:
-        n = int(mib * 2**20) // 4
-        host = np.full(n, float(rank + 1), np.float32)
-        out = np.empty_like(host)
-        tensor = tf.constant(host)
+    servers = []
+    for transport in args.transport:
+        if transport == "tcp":
+            start_tcp_world(comm, args.store_host, servers)
+        # Named by world only when both run, so that one-world tables read as before.
+        world = f" ({transport})" if len(args.transport) > 1 else ""
+        baselines = transport == args.transport[0]
+        for mib in args.sizes_mib:
+            n = int(mib * 2**20) // 4
+            host = np.full(n, float(rank + 1), np.float32)
+            out = np.empty_like(host)
+            tensor = tf.constant(host)
 
-        def tf_op():
-            kr.allreduce(tensor, op=kr.Sum, name="bench")  # eager ops return when done
+            def tf_op():
+                kr.allreduce(tensor, op=kr.Sum, name="bench")  # eager ops return when done
 
-        def binding():  # the caller's thread runs the engine while it waits
-            _engine.run(_engine.ALLREDUCE, [host], ["bench"], op=kr.Sum)
+            def binding():  # the caller's thread runs the engine while it waits
+                _engine.run(_engine.ALLREDUCE, [host], ["bench"], op=kr.Sum)
 
-        def mpi4py():
-            comm.Allreduce(host, out, op=MPI.SUM)
+            def mpi4py():
+                comm.Allreduce(host, out, op=MPI.SUM)
 
-        def floor():
-            np.copyto(out, host)
+            def floor():
+                np.copyto(out, host)
 
-        methods = {"keras-ring TF op": tf_op, "keras-ring engine": binding,
-                   "mpi4py Allreduce": mpi4py, "memcpy floor": floor}
-        for fn in methods.values():  # warm up: first-use costs are not what we measure
-            fn()
-        for name, fn in methods.items():
-            seconds = median_seconds(fn, args.iters, comm)
-            algbw = n * 4 / seconds / 1e9
-            rows.append({"method": name, "bytes": n * 4, "ranks": size, "seconds": seconds,
-                         "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (size - 1) / size})
+            methods = {f"keras-ring TF op{world}": tf_op, f"keras-ring engine{world}": binding}
+            if baselines:
+                methods.update({"mpi4py Allreduce": mpi4py, "memcpy floor": floor})
+            for fn in methods.values():  # warm up: first-use costs are not what we measure
+                fn()
+            for name, fn in methods.items():
+                seconds = median_seconds(fn, args.iters, comm)
+                algbw = n * 4 / seconds / 1e9
+                rows.append({"method": name, "bytes": n * 4, "ranks": size, "seconds": seconds,
+                             "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (size - 1) / size})
+    kr.shutdown()
+    for server in servers:
+        server.stop()
     if rank != 0:
         return
     base = {r["bytes"]: r["seconds"] for r in rows if r["method"] == "mpi4py Allreduce"}
@@ -80,15 +119,16 @@ def main():
     print(f"\nallreduce float32, {size} ranks, median of {args.iters}, KERAS_RING_SHM="
           f"{os.environ.get('KERAS_RING_SHM', '1')}; MPI: "
           f"{MPI.Get_library_version().splitlines()[0]}")
-    print(f"{'method':<20}{'MiB':>8}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+    print(f"{'method':<26}{'MiB':>8}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}"
           f"{'x mpi4py':>10}{'x floor':>9}")
     for r in rows:
         r["time_vs_mpi4py"] = r["seconds"] / base[r["bytes"]]
         r["time_vs_floor"] = r["seconds"] / floor[r["bytes"]]
-        print(f"{r['method']:<20}{r['bytes'] / 2**20:>8.1f}{r['seconds'] * 1e3:>10.2f}"
+        print(f"{r['method']:<26}{r['bytes'] / 2**20:>8.1f}{r['seconds'] * 1e3:>10.2f}"
               f"{r['algbw_GBps']:>12.2f}{r['busbw_GBps']:>12.2f}{r['time_vs_mpi4py']:>10.2f}"
               f"{r['time_vs_floor']:>9.2f}")
-    name = f"allreduce_vs_mpi4py_{size}ranks"
+    name = f"allreduce_vs_mpi4py_{size}ranks" + "".join(
+        f"_{t}" for t in args.transport if args.transport != ["mpi"])
     fig, ax = write_results(args.out, name, {"ranks": size, "iters": args.iters, "rows": rows},
                             figsize=(6, 4))
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "memcpy floor"):

@@ -114,8 +114,9 @@ def run(
         disable_cache: Accepted: keras-ring caches no launch checks.
         output_filename: Refused.
         verbose: If true, the launcher prints its command first.
-        use_gloo: Refused if true: keras-ring has no Gloo.
-        use_mpi: Accepted: keras-ring always runs over MPI.
+        use_gloo: True: the job runs without MPI, on the TCP world
+            (`keras-ring-run --transport tcp`), as Horovod's Gloo jobs do.
+        use_mpi: True: over MPI (the default); not with `use_gloo=True`.
         mpi_args: Refused.
         network_interface: Refused.
         network_interfaces: Refused.
@@ -157,10 +158,10 @@ def run(
                 f"keras_ring.run does not take `{name}`: {reason}. "
                 f"Received: {name}={given[name]!r}"
             )
-    if use_gloo:
+    if use_gloo and use_mpi:
         raise ValueError(
-            "keras-ring has no Gloo controller: it runs over MPI (use_mpi=True or unset). "
-            f"Received: use_gloo={use_gloo!r}"
+            "Pass `use_gloo=True` (a job without MPI, on keras-ring's TCP world) or "
+            f"`use_mpi=True`, not both. Received: use_gloo={use_gloo!r}, use_mpi={use_mpi!r}"
         )
     if num_proc is not None and np is not None and num_proc != np:
         raise ValueError(
@@ -192,6 +193,8 @@ def run(
         # module next to a script or a test travels by reference.
         path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         job_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+        if use_gloo:
+            job_env["KERAS_RING_TRANSPORT"] = "tcp"
         returncode, tail = _stream(command, job_env)
         return _results(directory, count, returncode, tail)
 

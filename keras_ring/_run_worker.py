@@ -16,7 +16,7 @@ import cloudpickle
 
 
 def _launcher_rank():
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "KERAS_RING_RANK"):
         if name in os.environ:
             return int(os.environ[name])
     return 0

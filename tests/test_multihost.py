@@ -1,10 +1,12 @@
-"""Jobs across real hosts over MPI: hosts made of network namespaces (tests/netns_hosts.py).
+"""Jobs across real hosts: hosts made of network namespaces (tests/netns_hosts.py).
 
 `keras-ring-run -H host0:2,host1:2 --remote-shell tests/netns_rsh.sh` runs in the
 first host's namespace and starts Hydra's `mpiexec` there; Hydra starts a proxy
 on every host through the remote shell, and the ranks' MPI traffic between hosts
-is TCP over the hosts' veths and bridge. Needs root and `ip netns` (skipped
-otherwise). See docs/launching.md, "How multi-host jobs are tested".
+is TCP over the hosts' veths and bridge. With `--transport tcp` keras-ring-run
+starts the ranks through the remote shell itself and serves their rendezvous
+store on host0's address; the TCP world's sockets take the same way. Needs root
+and `ip netns` (skipped otherwise). See docs/launching.md, "How multi-host jobs are tested".
 """
 
 import contextlib
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_job
-from netns_hosts import NetnsHosts, kill_namespace_processes, remove_stale
+from netns_hosts import IFACE, NetnsHosts, kill_namespace_processes, remove_stale
 
 WORKERS = Path(__file__).parent / "workers"
 # engine_worker.py's largest allreduce (float32): every byte of it crosses between the hosts.
@@ -28,8 +30,10 @@ BIG_BYTES = 4 * (4 * 1024 * 1024 + 3)
 DRAIN_SECONDS = 10
 
 
-def run_across(hosts, slots, script, *args, timeout=300, env=None, check=True):
+def run_across(hosts, slots, script, *args, timeout=300, env=None, check=True, transport=None):
     """Runs `script` as ranks on `slots[i]` ranks of host i, launched from host 0.
+
+    `transport="tcp"`: over the TCP world, its store on host 0's interface.
 
     Fails the test, as `run_ranks` does, on a non-zero exit code or past `timeout`;
     and if a process is left in a host once the job has ended, or a file in a
@@ -39,7 +43,9 @@ def run_across(hosts, slots, script, *args, timeout=300, env=None, check=True):
     command = [
         *hosts.exec_prefix(0),
         os.path.join(os.path.dirname(sys.executable), "keras-ring-run"),
-        "-np", str(sum(slots)), "-H", spec, "--",
+        "-np", str(sum(slots)), "-H", spec,
+        *(["--transport", "tcp", "--network-interface", IFACE] if transport == "tcp" else []),
+        "--",
         sys.executable, str(script), *map(str, args),
     ]
     try:
@@ -117,8 +123,9 @@ def test_the_hosts_reach_each_other_and_only_each_other(netns_hosts):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("grouping", ["hostname", "system"])
-def test_engine_collectives_across_hosts(netns_hosts, grouping):
+@pytest.mark.parametrize("grouping, transport", [("hostname", "mpi"), ("system", "mpi"),
+                                                 ("system", "tcp")])
+def test_engine_collectives_across_hosts(netns_hosts, grouping, transport):
     # Every collective against NumPy (engine_worker.py) on 2 hosts x 2 ranks: the hierarchical
     # allreduce (shared memory within a host, MPI across) over TCP between the namespaces.
     # "hostname": the engine groups ranks by KERAS_RING_HOSTNAME, as the remote shell sets it;
@@ -127,7 +134,8 @@ def test_engine_collectives_across_hosts(netns_hosts, grouping):
     env = {"KR_TEST_EXPECTED_SIZE": "4", "KR_TEST_PATH": "hierarchical", "KR_TEST_LOCAL_SIZE": "2",
            "KR_NETNS_SET_HOSTNAME": "1" if grouping == "hostname" else "0"}
     before = netns_hosts.port_bytes()
-    result = run_across(netns_hosts, [2, 2], WORKERS / "netns_worker.py", env=env, timeout=240)
+    result = run_across(netns_hosts, [2, 2], WORKERS / "netns_worker.py", env=env, timeout=240,
+                        transport=transport)
     moved = [after - b for after, b in zip(netns_hosts.port_bytes(), before)]
     for rank in range(4):
         assert f"rank {rank}: test_restart ok" in result.stdout
@@ -154,11 +162,12 @@ def test_engine_collectives_across_hosts(netns_hosts, grouping):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-def test_keras_equivalence_across_hosts(netns_hosts):
+@pytest.mark.parametrize("transport", ["mpi", "tcp"])
+def test_keras_equivalence_across_hosts(netns_hosts, transport):
     # The decisive Keras test (tests/test_keras_equivalence.py) with its ranks on 2 hosts.
     before = netns_hosts.port_bytes()
     run_across(netns_hosts, [1, 1], WORKERS / "keras_equivalence_worker.py", "core",
-               timeout=240)
+               timeout=240, transport=transport)
     moved = [after - b for after, b in zip(netns_hosts.port_bytes(), before)]
     assert moved[0] > 100_000 and moved[1] > 100_000, moved
 

@@ -84,7 +84,7 @@ def test_horovods_arguments_in_its_order(capfd, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, shown",
     [
-        ({"use_gloo": True}, "use_gloo=True"),
+        ({"use_gloo": True, "use_mpi": True}, "use_gloo=True, use_mpi=True"),
         ({"num_proc": 0}, "num_proc=0"),
         ({"num_proc": 2, "np": 3}, "num_proc=2, np=3"),
         ({"hosts": "a:2", "hostfile": "hosts"}, "hosts='a:2', hostfile='hosts'"),

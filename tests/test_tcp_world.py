@@ -125,3 +125,22 @@ def test_connections_without_the_secret_are_refused_while_the_job_goes_on(tmp_pa
     assert "[0] rank 0: allreduce ok after the intruders" in output
     assert "[1] rank 1: allreduce ok after the intruders" in output
     assert output.count("refused a connection from 127.0.0.1") >= 4, output
+
+
+def _sum_of_ranks():
+    import numpy as np
+
+    import keras_ring as kr
+    from keras_ring import _engine
+
+    kr.init()
+    got = _engine.submit(_engine.ALLREDUCE, np.full(3, kr.rank(), np.float32), "s").wait()
+    return os.environ["KERAS_RING_TRANSPORT"], float(got[0])
+
+
+@pytest.mark.multirank
+def test_kr_run_starts_a_tcp_job():
+    import keras_ring as kr
+
+    assert kr.run(_sum_of_ranks, np=3, env={"KERAS_RING_TRANSPORT": "tcp"}) == [("tcp", 3.0)] * 3
+    assert kr.run(_sum_of_ranks, np=2, use_gloo=True) == [("tcp", 1.0)] * 2  # Horovod's spelling

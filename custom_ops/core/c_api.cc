@@ -107,6 +107,10 @@ std::unique_ptr<keras_ring::World> NewWorld(const EngineOptions& options) {
   // (and so, as a rule, the other hosts) can reach it on; loopback for a
   // one-host job, whose store listens on loopback.
   o.listen_host = store.local_host();
+  // Every rank starts its n-th world together (init and shutdown are
+  // collective): its keys must not meet the addresses of an earlier one.
+  static int worlds = 0;
+  o.store_prefix = "tcp_world." + std::to_string(worlds++);
   return std::make_unique<keras_ring::TcpWorld>(o);
 }
 

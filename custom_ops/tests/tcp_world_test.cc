@@ -410,6 +410,36 @@ KR_TEST(TcpWorldPeerLostMidWait) {
   rank0.join();
 }
 
+// A rank whose engine failed says goodbye: the peer waiting on it fails at
+// once, with the reason.
+KR_TEST(TcpWorldPeerThatSaysGoodbyeIsLostWithItsReason) {
+  InMemoryStore store;
+  const milliseconds timeout(20000);
+  std::thread rank0([&] {
+    try {
+      TcpWorld world(Options(0, 2, &store, timeout));
+      std::this_thread::sleep_for(milliseconds(100));
+      world.Abort("keras-ring: its engine failed (test)");
+      std::this_thread::sleep_for(milliseconds(300));  // the sockets outlive the goodbye
+    } catch (const std::exception& e) {
+      KR_FAIL(std::string("rank 0 threw: ") + e.what());
+    }
+  });
+  try {
+    TcpWorld world(Options(1, 2, &store, timeout));
+    std::unique_ptr<Transport> t = world.Connect({0, 1}, 0);
+    int32_t v;
+    const auto start = Clock::now();
+    KR_EXPECT_THROW(t->Recv(&v, sizeof(v), 0, 2), EngineError,
+                    "rank 0's connection was lost (it left the job: keras-ring: its engine "
+                    "failed (test))");
+    KR_EXPECT(Clock::now() - start < milliseconds(5000));
+  } catch (const std::exception& e) {
+    KR_FAIL(std::string("rank 1 threw: ") + e.what());
+  }
+  rank0.join();
+}
+
 // Control messages both ways, in order per sender, while data is in flight
 // on the same connections.
 KR_TEST(TcpWorldControlMessages) {

@@ -26,6 +26,10 @@ namespace {
 constexpr size_t kHeaderBytes = 16;
 constexpr uint8_t kDataFrame = 0;
 constexpr uint8_t kControlFrame = 1;
+// The sender's engine failed and it leaves the job: the payload says why.
+constexpr uint8_t kGoodbyeFrame = 2;
+// How long Abort waits for its goodbyes to leave, at most.
+constexpr auto kGoodbyeWait = std::chrono::seconds(2);
 // Socket reads land here when no large payload is being read: many small
 // frames then cost one recv() between them.
 constexpr size_t kStagingBytes = size_t(64) << 10;
@@ -206,7 +210,7 @@ struct TcpWorld::State {
     uint64_t bytes = 0;
     for (int i = 0; i < 4; ++i) tag = tag << 8 | h[4 + i];
     for (int i = 0; i < 8; ++i) bytes = bytes << 8 | h[8 + i];
-    if (h[0] > kControlFrame || h[1] != 0 || h[2] != 0 || h[3] != 0 || tag > INT_MAX ||
+    if (h[0] > kGoodbyeFrame || h[1] != 0 || h[2] != 0 || h[3] != 0 || tag > INT_MAX ||
         bytes > Transport::kMaxMessageBytes) {
       MarkLost(peer, "it sent a malformed frame header");
       return;
@@ -217,7 +221,7 @@ struct TcpWorld::State {
     in.bytes = static_cast<size_t>(bytes);
     in.got = 0;
     in.dest = nullptr;
-    if (in.kind == kControlFrame) {
+    if (in.kind != kDataFrame) {
       in.control = std::make_shared<std::vector<char>>(in.bytes);
       in.dest = in.control->data();
       return;
@@ -242,6 +246,11 @@ struct TcpWorld::State {
 
   void FinishFrame(int peer) {
     Incoming& in = peers[peer].in;
+    if (in.kind == kGoodbyeFrame) {
+      const std::string why(in.control->begin(), in.control->end());
+      MarkLost(peer, "it left the job: " + why);
+      return;
+    }
     if (in.control) inbox.emplace_back(peer, std::move(*in.control));
     if (in.recv) in.recv->done = true;
     if (in.unexpected) in.unexpected->complete = true;
@@ -761,6 +770,40 @@ void TcpWorld::Flush() {
                std::to_string(s.peers[waiting_for].control_queued) +
                " control messages; it is not reading";
       });
+}
+
+void TcpWorld::Abort(const std::string& why) {
+  State& s = *state_;
+  auto reason = std::make_shared<const std::vector<char>>(
+      why.begin(), why.begin() + std::min<size_t>(why.size(), 4096));
+  std::unique_lock<std::mutex> lock(s.mu);
+  std::vector<std::shared_ptr<SendOp>> goodbyes;
+  for (int r = 0; r < s.size; ++r) {
+    if (r == s.rank || s.peers[r].lost) continue;
+    auto op = std::make_shared<SendOp>();
+    op->peer = r;
+    op->control = true;
+    op->data = reason->data();
+    op->bytes = reason->size();
+    op->message = reason;
+    EncodeHeader(op->header, kGoodbyeFrame, 0, op->bytes);
+    s.Queue(r, op);
+    goodbyes.push_back(op);
+  }
+  // Briefly: a peer that does not read hears of it when the sockets close.
+  const auto deadline = Clock::now() + std::min<Clock::duration>(kGoodbyeWait, s.timeout);
+  auto all_gone = [&] {
+    for (const auto& op : goodbyes) {
+      if (!op->done && op->error.empty()) return false;
+    }
+    return true;
+  };
+  while (!all_gone() && Clock::now() < deadline) {
+    s.PollOnce(lock, std::min(kPollSliceMs, MillisecondsUntil(deadline)));
+  }
+  for (int r = 0; r < s.size; ++r) {
+    if (r != s.rank) s.MarkLost(r, "this rank left the job");
+  }
 }
 
 void TcpWorld::Progress() {

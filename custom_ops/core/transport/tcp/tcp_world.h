@@ -11,7 +11,10 @@
 // Frames on a connection, after the handshake, each a 16-byte header and its
 // payload (integers in network byte order):
 //
-//   kind[1] (0 data, 1 control)  reserved[3] = 0  tag[4]  bytes[8]  payload[bytes]
+//   kind[1] (0 data, 1 control, 2 goodbye)  reserved[3] = 0  tag[4]  bytes[8]  payload[bytes]
+//
+// A goodbye's payload says why its sender leaves the job (its engine failed);
+// the receiver then takes the connection for lost, with that reason.
 //
 // Data and control messages share the connection (one socket per pair keeps
 // the mesh at n-1 descriptors a rank); a control message is queued ahead of
@@ -69,6 +72,9 @@ class TcpWorld : public World {
   bool Receive(int* from, std::vector<char>* message) override;
   void Flush() override;
   void Progress() override;
+  // Says goodbye (`why`) to every peer, briefly waiting for it to leave, and
+  // closes the connections: each peer's waits on this rank fail with `why`.
+  void Abort(const std::string& why) override;
 
   // Defined in tcp_world.cc, beside the transport and pendings that share it.
   struct State;
