@@ -654,7 +654,9 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
               file=sys.stderr, flush=True)
     if returncode < 0:
         return 128 - returncode
-    if returncode == 0 and rank_signal is not None:
+    # The rank killed by a signal ended the job, whatever the forker returns (0, or the exit code
+    # of a rank that failed on it first without MPI_Finalize).
+    if rank_signal is not None:
         return 128 + rank_signal
     return returncode
 

@@ -6,6 +6,7 @@ leaving no process and no shared-memory segment behind.
 """
 
 import contextlib
+import datetime
 import os
 import re
 import signal
@@ -108,8 +109,16 @@ def _check_job(np_, culprit, command, marker, fail_within, end_within=JOB_END_SE
     delays = {}
     for rank in sorted(set(range(np_)) - {culprit}) if others_fail else []:
         failed = re.search(rf"^rank {rank} failed at ([\d.]+): (.*)$", text, re.MULTILINE)
-        assert failed, f"rank {rank} did not fail:\n{_tail(text)}"
-        delays[rank] = float(failed[1]) - stopped_at
+        if failed:
+            failed_at = float(failed[1])
+        else:
+            # Its print cut short by the launcher's SIGINT: the engine's own log line says it.
+            failed = re.search(rf"^\[([\d-]+ [\d:.]+) UTC rank {rank} [^]]*\] keras-ring error: "
+                               r"the engine stopped: (.*)$", text, re.MULTILINE)
+            assert failed, f"rank {rank} did not fail:\n{_tail(text)}"
+            failed_at = datetime.datetime.strptime(failed[1], "%Y-%m-%d %H:%M:%S.%f").replace(
+                tzinfo=datetime.timezone.utc).timestamp()
+        delays[rank] = failed_at - stopped_at
         # Its own wait for the culprit, the stall of a tensor the culprit never submitted, or
         # another rank's such failure, passed on: the culprit is named as the cause.
         assert re.search(rf"\brank {culprit} (is stuck or stopped|\(pid \d+\) died)|ranks "
