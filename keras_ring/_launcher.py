@@ -19,6 +19,7 @@ This module imports neither TensorFlow nor the engine, so it starts fast.
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -31,6 +32,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -88,6 +90,19 @@ _SIGNALS_BY_DESCRIPTION = {
 # peer had created it (shm_open with O_EXCL decides who initialises it): MPI_Init
 # then fails on the dead job's queues ("Invalid GenQ flag", "Message truncated").
 _FORKER_SEGMENT_FORMATS = ("/dev/shm/mpich_shm_{:x}_0", "/dev/shm/mpich_vci_{:x}_0")
+# A rank stopped by SIGSTOP (alive but stuck) cannot act on the MPI launcher's signals, which stay
+# pending, so the launcher waits for it forever. Once another rank of the job has ended, a rank
+# process (or a process under it, as under `sh -c`) stopped this long is sent SIGCONT and SIGTERM,
+# and SIGKILL this long after that if it is still there.
+_STOPPED_RANK_SECONDS = 2
+_STOPPED_RANK_KILL_SECONDS = 3
+_WATCH_INTERVAL_SECONDS = 0.5
+# A rank's own children (its python under `sh -c "python train.py"`) are orphaned when the MPI
+# launcher kills the rank, which it knows, and ran on until their own timeout: keras-ring-run
+# adopts them (a child subreaper) and, once the launcher has exited, ends them the same way.
+_PR_SET_CHILD_SUBREAPER = 36
+# The MPI launchers' per-host processes whose children are the ranks.
+_RANK_PARENTS = frozenset(["hydra_pmi_proxy", "prted", "orted"])
 # Under the forker each rank starts through this script, which hands it our output.
 _RANK_OUTPUT_SCRIPT = Path(_rank_output.__file__)
 # A rank's pipe under the forker (--prefix-output, or stderr quieted): an unfinished line is
@@ -615,7 +630,12 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
     finally:
         if outputs:
             outputs.close_handed_down()
+    watch = _StoppedRankWatch(child.pid) if os.path.isdir("/proc/self") else None
+    if watch:
+        _set_child_subreaper(True)
     with child:
+        if watch:
+            watch.start()
 
         def forward(signum, frame):
             # Ctrl-C reaches the whole foreground process group, the launcher too; a
@@ -634,8 +654,15 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
                 remove_forker_segments(child.pid)
             returncode = child.wait()
         finally:
+            if watch:
+                watch.stop()
+                _set_child_subreaper(False)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+    # A stopped rank the watch ended did not end the job: the line it printed says why it died.
+    if rank_signal is not None and watch and rank_signal[0] in watch.ended:
+        rank_signal = None
+        returncode = returncode or 128 + signal.SIGTERM
     if rank_signal is not None:
         rank, rank_signal = rank_signal
         print(f"keras-ring-run: rank {rank} died of signal {rank_signal} "
@@ -643,9 +670,163 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
               file=sys.stderr, flush=True)
     if returncode < 0:
         return 128 - returncode
-    if returncode == 0 and rank_signal is not None:
+    # The rank killed by a signal ended the job, whatever the forker returns (0, or the exit code
+    # of a rank that failed on it first without MPI_Finalize).
+    if rank_signal is not None:
         return 128 + rank_signal
     return returncode
+
+
+class _StoppedRankWatch:
+    """Ends the job's stopped ranks once another rank has ended (see `_STOPPED_RANK_SECONDS`).
+
+    A thread that reads the launcher's process tree in /proc every
+    `_WATCH_INTERVAL_SECONDS`; it sees the ranks of this host only.
+
+    Args:
+        launcher_pid: The MPI launcher's pid (the forker, `mpiexec` or `mpirun`).
+    """
+
+    def __init__(self, launcher_pid):
+        self._launcher_pid = launcher_pid
+        self._done = threading.Event()
+        self.ended = set()  # the ranks (numbers, where known) it sent SIGTERM
+        self._ranks = {}  # pid: rank, of the processes it has looked at
+        self._thread = threading.Thread(target=self._run, name="stopped-rank-watch", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._done.set()
+        self._thread.join()
+
+    def _run(self):
+        seen = set()  # rank processes seen alive
+        rank_ended = False
+        stopped_since = {}
+        terminated = {}  # pid: when SIGTERM was sent
+        while True:
+            last = self._done.wait(_WATCH_INTERVAL_SECONDS)
+            processes = _processes()
+            ranks, below = _rank_processes(self._launcher_pid, processes)
+            # Adopted: what the job left when a rank above it ended (see _PR_SET_CHILD_SUBREAPER).
+            adopted, _ = _rank_processes(os.getpid(), processes, skip=self._launcher_pid)
+            launcher_ended = processes.get(self._launcher_pid, (0, "Z"))[1] in "ZX"
+            rank_ended = rank_ended or launcher_ended or bool(seen - ranks)
+            seen |= ranks
+            now = time.monotonic()
+            stopped = {pid for pid in below | adopted if processes[pid][1] == "T"}
+            stopped_since = {pid: stopped_since.get(pid, now) for pid in stopped}
+            # Adopted from a rank that has ended (its sh, say, killed by the launcher), or once the
+            # launcher has; what a live rank left running (a daemon) may go on until then.
+            live_ranks = {self._rank_of(pid) for pid in ranks}
+            ending = {pid for pid in adopted if launcher_ended or last
+                      or self._rank_of(pid) not in live_ranks | {None}}
+            for pid in sorted(stopped_since.keys() | ending):
+                since = stopped_since.get(pid)
+                if pid in terminated or not (rank_ended or pid in ending) or (
+                        pid not in ending and now - since < _STOPPED_RANK_SECONDS):
+                    continue
+                rank = self._rank_of(pid)
+                if rank is not None:
+                    self.ended.add(rank)
+                who = f"pid {pid}" if rank is None else f"rank {rank} (pid {pid})"
+                why = ("outlived the rank process it ran under" if pid in ending
+                       else "is stopped (SIGSTOP) and another rank has ended")
+                print(f"keras-ring-run: {who} {why}: sending it SIGCONT and SIGTERM.",
+                      file=sys.stderr, flush=True)
+                _signal_quietly(pid, signal.SIGCONT)
+                _signal_quietly(pid, signal.SIGTERM)
+                terminated[pid] = now
+            for pid, when in terminated.items():
+                if pid in below | adopted and now - when >= _STOPPED_RANK_KILL_SECONDS:
+                    _signal_quietly(pid, signal.SIGKILL)
+            for pid, (parent, state) in processes.items():
+                if parent == os.getpid() and state == "Z" and pid != self._launcher_pid:
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+            if last:
+                if not adopted:
+                    return
+                time.sleep(0.1)  # until what was adopted has ended (SIGKILL at the latest)
+
+    def _rank_of(self, pid):
+        if pid not in self._ranks:
+            self._ranks[pid] = _rank_of(pid)
+        return self._ranks[pid]
+
+
+def _processes():
+    """{pid: (parent pid, state letter)} of every process in /proc."""
+    processes = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        processes[int(entry.name)] = (int(fields[1]), fields[0].decode())
+    return processes
+
+
+def _rank_processes(launcher_pid, processes, skip=None):
+    """The live rank processes under the launcher, and every live process at or below them.
+
+    The ranks are the launcher's children (but `skip`), or those of its per-host proxies.
+    """
+    children = {}
+    for pid, (parent, state) in processes.items():
+        if state not in "ZX":
+            children.setdefault(parent, []).append(pid)
+    ranks = set()
+    for pid in children.get(launcher_pid, []):
+        if pid == skip:
+            continue
+        if _command_name(pid) in _RANK_PARENTS:
+            ranks.update(children.get(pid, []))
+        else:
+            ranks.add(pid)
+    below, todo = set(), list(ranks)
+    while todo:
+        pid = todo.pop()
+        below.add(pid)
+        todo += children.get(pid, [])
+    return ranks, below
+
+
+def _command_name(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _rank_of(pid):
+    """The rank the MPI launcher gave process `pid` (PMI_RANK in its environment), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(item.partition(b"=")[::2] for item in f.read().split(b"\0"))
+    except OSError:
+        return None
+    rank = environ.get(b"PMI_RANK") or environ.get(b"OMPI_COMM_WORLD_RANK") or b""
+    return int(rank) if rank.isdigit() else None
+
+
+def _set_child_subreaper(on):
+    """Makes this process adopt its descendants' orphans (Linux; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+
+
+def _signal_quietly(pid, signum):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
 
 
 class _RankOutputs:

@@ -76,6 +76,15 @@ constexpr auto kStallTick = std::chrono::seconds(1);
 // the first collective such a set runs while rank 0 idles waits up to this
 // long (later ones find rank 0 polling); measured idle cost about 0.5% of a core.
 constexpr auto kOutsideSetPoll = std::chrono::milliseconds(10);
+// A rank waiting for rank 0's answer asks it this often whether it is alive
+// (a ready list of this set id, which rank 0 answers with an empty list).
+constexpr auto kPingInterval = std::chrono::seconds(1);
+constexpr int32_t kPingSet = -1;
+// How much longer than KERAS_RING_TIMEOUT such a rank waits for any word
+// from rank 0: rank 0 itself waiting (bounded) on a stuck rank must be the
+// one to fail first and name that rank (its pongs can lag by a ping interval
+// and a stall tick).
+constexpr auto kCoordinatorGrace = std::chrono::seconds(5);
 
 // The transports of process set `id` take the world's group ids 3 id (its
 // members), 3 id + 1 (its members on one host) and 3 id + 2 (its members of
@@ -692,6 +701,7 @@ bool Engine::Pass(bool* progress) {
       return false;
     }
   }
+  if (!coordinating_) CheckCoordinator(got);
   if (*progress && timeline_.mark_cycles()) {
     timeline_.Mark("CYCLE", Timeline::Clock::now(),
                    std::make_shared<const std::string>(
@@ -705,6 +715,31 @@ bool Engine::Pass(bool* progress) {
   pace_.shutdown_sent = shutdown_sent_;
   pace_.idle_passes = *progress ? 0 : pace_.idle_passes + 1;
   return true;
+}
+
+void Engine::CheckCoordinator(bool heard) {
+  // A stopped (SIGSTOP) rank 0 answers nothing and fails nothing: the rank
+  // would otherwise wait for its responses, or its shutdown, forever.
+  const auto now = std::chrono::steady_clock::now();
+  const bool waiting = !heard && (InFlight() || shutdown_sent_);
+  if (!waiting || !waiting_on_coordinator_) quiet_since_ = pinged_ = now;
+  waiting_on_coordinator_ = waiting;
+  if (!waiting) return;
+  const auto bound = world_->timeout() + kCoordinatorGrace;
+  if (now - quiet_since_ > bound) {
+    throw EngineError(
+        "keras-ring: rank " + std::to_string(topology_.rank) + " heard nothing from rank 0 " +
+        "(the coordinator) for " + FormatSeconds(std::chrono::duration<double>(bound).count()) +
+        " s (KERAS_RING_TIMEOUT + " +
+        FormatSeconds(std::chrono::duration<double>(kCoordinatorGrace).count()) +
+        " s) while waiting for its answer: rank 0 is stuck or stopped");
+  }
+  if (now - pinged_ >= kPingInterval) {
+    ReadyList ping;
+    ping.process_set = kPingSet;
+    world_->Post(kCoordinator, std::make_shared<const std::vector<char>>(SerializeReadyList(ping)));
+    pinged_ = now;
+  }
 }
 
 bool Engine::CoordinatorBusy() const {
@@ -811,7 +846,13 @@ bool Engine::ReceiveReadyLists() {
   int source;
   std::vector<char> bytes;
   while (world_->Receive(&source, &bytes)) {
-    AddToCoordinator(source, DeserializeReadyList(bytes));
+    ReadyList list = DeserializeReadyList(bytes);
+    if (list.process_set == kPingSet) {
+      world_->Post(source,
+                   std::make_shared<const std::vector<char>>(SerializeResponses(ResponseList())));
+      continue;
+    }
+    AddToCoordinator(source, std::move(list));
     any = true;
   }
   return any;

@@ -197,6 +197,10 @@ class Engine {
   void SetUpSharedMemory(ProcessSet& set, int32_t id);
   void DestroyProcessSet(int32_t id);
   bool InFlight() const;
+  // Other ranks, after each pass (`heard`: it received rank 0's responses):
+  // while waiting for rank 0, pings it and fails once it has been silent for
+  // longer than the timeout allows.
+  void CheckCoordinator(bool heard);
   // Rank 0 has coordinating to do that its own requests do not show.
   bool CoordinatorBusy() const;
   bool OutsideASet() const;  // rank 0 coordinates a set it is not in
@@ -255,6 +259,10 @@ class Engine {
   int32_t next_set_id_ = 1;
   bool shutdown_sent_ = false;
   bool coordinating_ = false;                      // world rank 0
+  // Other ranks: whether the last pass waited for rank 0, since when nothing
+  // came from it, and when it was last pinged (CheckCoordinator).
+  bool waiting_on_coordinator_ = false;
+  std::chrono::steady_clock::time_point quiet_since_, pinged_;
   std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
   std::chrono::steady_clock::time_point decided_since_;  // when decided_ became non-empty
   // The settings the autotuner may change; written under mu_ (read by

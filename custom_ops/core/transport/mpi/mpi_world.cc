@@ -3,6 +3,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <climits>
 #include <deque>
 #include <functional>
@@ -21,6 +22,11 @@ using Clock = std::chrono::steady_clock;
 
 // Whether NewMpiWorld started MPI (then FinalizeMpi ends it).
 bool we_initialized_mpi = false;
+// Whether a rank failed to answer this one within the timeout, or this rank's
+// engine failed: MPI_Finalize would then wait (in the launcher's barrier) for
+// a rank that may never come, so FinalizeMpi leaves it out and the launcher
+// takes the exit for a failure and ends the job.
+std::atomic<bool> world_failed{false};
 
 void CheckMpi(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return;
@@ -74,6 +80,7 @@ class MpiPending : public Pending {
     const char* what = is_recv_ ? "MPI_Test (receive)" : "MPI_Test (send)";
     if (!WaitUntil(&request_, &status, Clock::now() + timeout_, *while_waiting_, what)) {
       Abandon(&request_);
+      world_failed = true;
       throw EngineError("keras-ring: rank " + std::to_string(rank_) + " waited " +
                         SecondsText(timeout_) + " s (KERAS_RING_TIMEOUT) for rank " +
                         std::to_string(peer_) + (is_recv_ ? " to send it " : " to receive ") +
@@ -198,6 +205,7 @@ class MpiWorld : public World {
     const auto deadline = Clock::now() + timeout_;
     for (auto& send : sends_) {
       if (!WaitUntil(&send.first, MPI_STATUS_IGNORE, deadline, drain_, "MPI_Test (control)")) {
+        world_failed = true;
         throw EngineError("keras-ring: rank " + std::to_string(rank_) + " waited " +
                           SecondsText(timeout_) +
                           " s (KERAS_RING_TIMEOUT) for its control messages to leave; a rank "
@@ -208,6 +216,9 @@ class MpiWorld : public World {
   }
 
   void Progress() override { Drain(); }
+  // MPI cannot tell the peers; the launcher ends the job once this process
+  // exits without MPI_Finalize.
+  void Abort(const std::string&) override { world_failed = true; }
 
  protected:
   Transport& transport() override { return *transport_; }
@@ -222,6 +233,7 @@ class MpiWorld : public World {
     CheckMpi(MPI_Comm_idup(MPI_COMM_WORLD, &comm, &req), "MPI_Comm_idup");
     if (!WaitUntil(&req, MPI_STATUS_IGNORE, Clock::now() + timeout_, nullptr,
                    "MPI_Test (MPI_Comm_idup)")) {
+      world_failed = true;
       // Left to MPI: freeing a communicator still being made is erroneous.
       throw EngineError(std::string("keras-ring: init() waited ") + SecondsText(timeout_) +
                         " s (KERAS_RING_TIMEOUT) for every rank of the MPI job to start the " +
@@ -307,7 +319,7 @@ std::unique_ptr<World> NewMpiWorld(std::chrono::milliseconds timeout) {
 void FinalizeMpi() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (we_initialized_mpi && !finalized) MPI_Finalize();
+  if (we_initialized_mpi && !finalized && !world_failed) MPI_Finalize();
 }
 
 std::string MpiLibraryVersion() {

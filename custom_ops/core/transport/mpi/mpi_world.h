@@ -17,8 +17,10 @@ namespace keras_ring {
 // saying why it cannot (MPI finalized already, too low a thread level).
 std::unique_ptr<World> NewMpiWorld(std::chrono::milliseconds timeout);
 
-// At process exit: MPI_Finalize, if NewMpiWorld started MPI. MPICH's
-// launchers take a rank that exits without it for a failed one.
+// At process exit: MPI_Finalize, if NewMpiWorld started MPI, unless a peer
+// failed to answer within the timeout or this rank's engine failed (Abort):
+// MPI_Finalize would wait for that peer. MPICH's launchers take a rank that
+// exits without it for a failed one, and end the job.
 void FinalizeMpi();
 
 // The version string of the MPI library loaded.
