@@ -78,11 +78,12 @@ def _children(pid):
 def _intrude(port):
     """Connects without the secret twice, garbage then a wrong handshake; True if both refused."""
     refused = 0
-    for payload in (b"\x00\x00\x00\x05hello, is this the job?", b"KRS1" + b"x" * 200):
+    # Longer than any greeting either side expects, so that it is read whole and judged at once.
+    for payload in (b"\x00\x00\x00\x05hello, is this the job?" * 20, b"KRS1" + b"x" * 500):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             try:
                 s.sendall(payload)
-                s.settimeout(10)
+                s.settimeout(30)
                 while s.recv(4096):  # whatever the greeting, then the close
                     pass
                 refused += 1

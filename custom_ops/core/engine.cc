@@ -693,6 +693,11 @@ bool Engine::Pass(bool* progress) {
     Execute(list);
     if (autotuner_ && !autotuner_->done()) Tune(list);
     if (list.shutdown_rank >= 0) {
+      // Every rank now leaves; only the coordinator has more to say (it
+      // waits for every rank's acknowledgement, releasing each as it comes).
+      for (int r = 0; r < topology_.size && !coordinating_; ++r) {
+        if (r != kCoordinator && r != topology_.rank) world_->Release(r);
+      }
       if (list.shutdown_rank != topology_.rank) {
         stopped_why_ = "keras-ring: rank " + std::to_string(list.shutdown_rank) +
                        " shut down (shutdown() or its process exiting), which stops the engine "
@@ -796,7 +801,10 @@ void Engine::StopAccepting(kr_status status, const std::string& message) {
 }
 
 void Engine::AddToCoordinator(int world_rank, ReadyList list) {
-  if (list.shutdown) sets_[0].coordinator->RequestShutdown(world_rank, list.shutdown_reason);
+  if (list.shutdown) {
+    sets_[0].coordinator->RequestShutdown(world_rank, list.shutdown_reason);
+    if (world_rank != kCoordinator) world_->Release(world_rank);  // its last message
+  }
   auto found = sets_.find(list.process_set);
   // A set removed since the rank sent this: its requests have failed there.
   if (found == sets_.end()) return;

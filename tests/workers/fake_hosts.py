@@ -3,8 +3,8 @@
     keras-ring-run -np 4 python fake_hosts.py 2,2 worker.py [args...]
 
 puts ranks 0-1 on "host0" and ranks 2-3 on "host1" by setting
-KERAS_RING_HOSTNAME, which the engine uses instead of MPI's shared-memory
-domains to group ranks by host. The ranks still share this machine, so the
+KERAS_RING_HOSTNAME, which the engine uses instead of the host's own name to
+group ranks by host. The ranks still share this machine, so the
 shared-memory paths work within each pretended host.
 """
 
@@ -12,7 +12,8 @@ import os
 import runpy
 import sys
 
-rank = int(os.environ.get("PMI_RANK") or os.environ["OMPI_COMM_WORLD_RANK"])
+rank = int(os.environ.get("PMI_RANK") or os.environ.get("KERAS_RING_RANK")
+           or os.environ["OMPI_COMM_WORLD_RANK"])
 host_sizes = [int(n) for n in sys.argv[1].split(",")]
 first = 0
 for host, n in enumerate(host_sizes):

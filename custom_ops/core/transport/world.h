@@ -54,6 +54,9 @@ class World {
   // not see (a shared-memory collective): MPI, for one, moves a message only
   // while its sender is in an MPI call.
   virtual void Progress() {}
+  // Rank `rank` has sent this rank its last message (its shutdown): its
+  // connection closing from now on is no failure.
+  virtual void Release(int rank) { (void)rank; }
   // This rank takes no further part (its engine failed, saying `why`):
   // peers waiting on it fail now, with `why` in their error, rather than at
   // the timeout, where the world can tell them (the TCP world says goodbye

@@ -127,6 +127,7 @@ struct Peer {
   bool lost = false;
   std::string lost_reason;
   bool control_lost = false;  // control messages to it were lost with it
+  bool released = false;      // it has said its last (World::Release): its loss is no failure
   // Control messages come first, at most behind a data frame already begun.
   std::deque<std::shared_ptr<SendOp>> out;
   size_t control_queued = 0;
@@ -743,7 +744,9 @@ bool TcpWorld::Receive(int* from, std::vector<char>* message) {
     return true;
   }
   for (int r = 0; r < s.size; ++r) {
-    if (s.peers[r].lost) throw EngineError(s.Lost(r, "receiving control messages"));
+    if (s.peers[r].lost && !s.peers[r].released) {
+      throw EngineError(s.Lost(r, "receiving control messages"));
+    }
   }
   return false;
 }
@@ -756,7 +759,9 @@ void TcpWorld::Flush() {
       lock,
       [&] {
         for (int r = 0; r < s.size; ++r) {
-          if (s.peers[r].control_lost) throw EngineError(s.Lost(r, "flushing control messages"));
+          if (s.peers[r].control_lost && !s.peers[r].released) {
+            throw EngineError(s.Lost(r, "flushing control messages"));
+          }
           if (s.peers[r].control_queued > 0) {
             waiting_for = r;
             return false;
@@ -804,6 +809,11 @@ void TcpWorld::Abort(const std::string& why) {
   for (int r = 0; r < s.size; ++r) {
     if (r != s.rank) s.MarkLost(r, "this rank left the job");
   }
+}
+
+void TcpWorld::Release(int rank) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->peers.at(rank).released = true;
 }
 
 void TcpWorld::Progress() {

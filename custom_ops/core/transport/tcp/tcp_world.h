@@ -75,6 +75,7 @@ class TcpWorld : public World {
   // Says goodbye (`why`) to every peer, briefly waiting for it to leave, and
   // closes the connections: each peer's waits on this rank fail with `why`.
   void Abort(const std::string& why) override;
+  void Release(int rank) override;
 
   // Defined in tcp_world.cc, beside the transport and pendings that share it.
   struct State;
