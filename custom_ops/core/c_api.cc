@@ -46,6 +46,9 @@ kr_status Guarded(char* err, size_t err_len, Body&& body) noexcept {
   }
 }
 
+constexpr const char* kNotInitialized =
+    "keras-ring is not initialised (call init() first) or has been shut down";
+
 // Serialises init, shutdown and finalize.
 std::mutex lifecycle_mu;
 // The engine between init and shutdown; read without the lock by every other
@@ -138,8 +141,7 @@ kr_status Enqueue(const kr_request* requests, int n, bool wake, const char* grou
   std::shared_ptr<Engine> engine = Current();
   if (!engine) {
     for (int i = 0; i < n; ++i) {
-      all[i].done(all[i].ctx, KR_NOT_INITIALIZED,
-                  "keras-ring is not initialised (call init() first) or has been shut down");
+      all[i].done(all[i].ctx, KR_NOT_INITIALIZED, kNotInitialized);
     }
     return KR_NOT_INITIALIZED;
   }
@@ -287,9 +289,7 @@ kr_status kr_add_process_set(const int* ranks, int nranks, int32_t* id, char* er
   return Guarded(err, err_len, [&] {
     std::shared_ptr<Engine> engine = Current();
     if (!engine) {
-      return WithError(KR_NOT_INITIALIZED,
-                       "keras-ring is not initialised (call init() first) or has been shut down",
-                       err, err_len);
+      return WithError(KR_NOT_INITIALIZED, kNotInitialized, err, err_len);
     }
     std::string message;
     kr_status s = engine->AddProcessSet(std::vector<int>(ranks, ranks + nranks), id, &message);
@@ -301,9 +301,7 @@ kr_status kr_remove_process_set(int32_t id, char* err, size_t err_len) {
   return Guarded(err, err_len, [&] {
     std::shared_ptr<Engine> engine = Current();
     if (!engine) {
-      return WithError(KR_NOT_INITIALIZED,
-                       "keras-ring is not initialised (call init() first) or has been shut down",
-                       err, err_len);
+      return WithError(KR_NOT_INITIALIZED, kNotInitialized, err, err_len);
     }
     std::string message;
     kr_status s = engine->RemoveProcessSet(id, &message);
