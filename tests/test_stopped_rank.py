@@ -130,30 +130,34 @@ def _check_job(np_, culprit, command, marker, fail_within, end_within=JOB_END_SE
     return text
 
 
-def _worker_command(np_, *args, shell=False):
+def _worker_command(np_, *args, shell=False, transport="mpi"):
     marker = f"kr-stopped-{uuid.uuid4().hex[:12]}"
     worker = [sys.executable, os.path.join(WORKERS, args[0]), *map(str, args[1:]), marker]
     if shell:
         # Started through a shell that does not exec: the MPI launcher sees sh, not python.
         worker = ["sh", "-c", " ".join(worker) + "; exit $?"]
     run = os.path.join(os.path.dirname(sys.executable), "keras-ring-run")
-    return [run, "-np", str(np_), "--", *worker], marker
+    return [run, "-np", str(np_), "--transport", transport, "--", *worker], marker
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(JOB_LIMIT_SECONDS + 30)
 @pytest.mark.parametrize(
-    "np_, stopped, size, shm",
-    [(2, 1, "small", True), (2, 1, "large", True), (2, 0, "small", True), (2, 0, "large", True),
-     (2, 1, "large", False), (3, 2, "small", True), (3, 1, "large", True), (3, 0, "small", True)],
+    "np_, stopped, size, shm, transport",
+    [(2, 1, "small", True, "mpi"), (2, 1, "large", True, "mpi"), (2, 0, "small", True, "mpi"),
+     (2, 0, "large", True, "mpi"), (2, 1, "large", False, "mpi"), (3, 2, "small", True, "mpi"),
+     (3, 1, "large", True, "mpi"), (3, 0, "small", True, "mpi"), (3, 2, "small", True, "tcp"),
+     (3, 1, "large", False, "tcp")],
     ids=["2-rank1-small", "2-rank1-large", "2-rank0-small", "2-rank0-large", "2-rank1-mpi",
-         "3-rank2-small", "3-rank1-large", "3-rank0-small"],
+         "3-rank2-small", "3-rank1-large", "3-rank0-small", "3-rank2-small-tcp",
+         "3-rank1-tcp-ring"],
 )
 def test_a_stopped_rank_fails_the_others_naming_it_and_the_job_ends(np_, stopped, size, shm,
-                                                                   monkeypatch):
+                                                                   transport, monkeypatch):
     if not shm:
         monkeypatch.setitem(ENV, "KERAS_RING_SHM", "0")
-    command, marker = _worker_command(np_, "stopped_rank_worker.py", stopped, size, "STOP")
+    command, marker = _worker_command(np_, "stopped_rank_worker.py", stopped, size, "STOP",
+                                      transport=transport)
     grace = COORDINATOR_GRACE if stopped == 0 else 0
     _check_job(np_, stopped, command, marker, fail_within=TIMEOUT + grace + MARGIN)
 

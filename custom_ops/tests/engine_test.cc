@@ -39,6 +39,7 @@ EngineOptions TestOptions() {
 
 // One request's completion, waited for by the test's rank thread.
 struct Outcome {
+  std::string name;             // the request's tensor name, alive as long as the request
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -88,7 +89,8 @@ kr_request Request(const std::string& name, kr_collective c, const std::vector<i
                    const void* input, void* output, Outcome* outcome) {
   kr_request r{};
   r.struct_size = sizeof r;
-  r.name = name.c_str();
+  outcome->name = name;
+  r.name = outcome->name.c_str();
   r.collective = c;
   r.dtype = KR_FLOAT32;
   r.ndim = static_cast<int>(shape.size());

@@ -4,6 +4,7 @@
 // goes, a connection without the secret).
 #include <sys/socket.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -438,6 +439,76 @@ KR_TEST(TcpWorldPeerThatSaysGoodbyeIsLostWithItsReason) {
     KR_FAIL(std::string("rank 1 threw: ") + e.what());
   }
   rank0.join();
+}
+
+// The policy of every network world's waits, alone: a peer that answers gets
+// one more timeout; one that does not is blamed after the answer wait.
+KR_TEST(WaitOnPeerBlamesOnlyAPeerThatDoesNotAnswer) {
+  using keras_ring::PeerWait;
+  using keras_ring::WaitOnPeer;
+  const milliseconds timeout(200);
+  auto sleep_until = [](Clock::time_point t) {
+    std::this_thread::sleep_until(t);
+    return false;
+  };
+  int asked = 0;
+  auto start = Clock::now();
+  KR_EXPECT(WaitOnPeer(timeout, sleep_until, [&] { ++asked; }, [] { return false; }) ==
+            PeerWait::kSilent);
+  KR_EXPECT_EQ(asked, 1);
+  KR_EXPECT(Clock::now() - start >= 2 * timeout);  // the answer wait is at most the timeout
+
+  start = Clock::now();
+  KR_EXPECT(WaitOnPeer(timeout, sleep_until, [] {}, [] { return true; }) ==
+            PeerWait::kAnswering);
+  KR_EXPECT(Clock::now() - start >= 2 * timeout);
+
+  // Done while the answer is awaited, or in the extra timeout.
+  const auto done_at = Clock::now() + timeout + timeout / 4;
+  auto done_later = [&](Clock::time_point t) {
+    if (t >= done_at) {
+      std::this_thread::sleep_until(done_at);
+      return true;
+    }
+    std::this_thread::sleep_until(t);
+    return false;
+  };
+  KR_EXPECT(WaitOnPeer(timeout, done_later, [] {}, [] { return false; }) == PeerWait::kDone);
+  KR_EXPECT(WaitOnPeer(timeout, [](Clock::time_point) { return true; }, [&] { ++asked; },
+                       [] { return false; }) == PeerWait::kDone);
+  KR_EXPECT_EQ(asked, 1);
+}
+
+// A chain of waits: rank 0 waits for rank 1, which waits for rank 2, which is
+// stuck (its world never runs). Rank 1 blames rank 2 and leaves; rank 0, whose
+// peer answered, is told so instead of blaming rank 1.
+KR_TEST(TcpWorldBlamesTheStuckRankNotTheOneWaitingForIt) {
+  const milliseconds timeout(2000);
+  std::atomic<int> failed{0};
+  RunTcpRanks(
+      3,
+      [&](TcpWorld& world) {
+        const int me = world.rank();
+        std::unique_ptr<Transport> t = world.Connect({0, 1, 2}, 0);
+        if (me == 2) {
+          const auto bound = Clock::now() + 3 * timeout;
+          while (failed < 2 && Clock::now() < bound) std::this_thread::sleep_for(milliseconds(10));
+          return;
+        }
+        int32_t v;
+        try {
+          t->Recv(&v, sizeof(v), me + 1, 1);
+          KR_FAIL("rank " + std::to_string(me) + " received what was never sent");
+        } catch (const EngineError& e) {
+          const std::string what = e.what();
+          KR_EXPECT(what.find("rank 2 is stuck or stopped (it does not answer)") !=
+                    std::string::npos);
+          if (me == 1) world.Abort(what);
+          if (me == 0) KR_EXPECT(what.find("rank 1's connection was lost") != std::string::npos);
+        }
+        ++failed;
+      },
+      timeout);
 }
 
 // Control messages both ways, in order per sender, while data is in flight

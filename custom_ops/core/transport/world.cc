@@ -1,5 +1,6 @@
 #include "world.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -8,6 +9,30 @@
 #include "../common.h"
 
 namespace keras_ring {
+
+PeerWait WaitOnPeer(std::chrono::milliseconds timeout,
+                    const std::function<bool(std::chrono::steady_clock::time_point)>& wait_until,
+                    const std::function<void()>& ask, const std::function<bool()>& answered) {
+  using Clock = std::chrono::steady_clock;
+  if (wait_until(Clock::now() + timeout)) return PeerWait::kDone;
+  ask();
+  const auto asked = Clock::now() + std::min<Clock::duration>(kAnswerWait, timeout);
+  // In slices, to see the answer come.
+  constexpr auto kSlice = std::chrono::milliseconds(10);
+  while (!answered()) {
+    if (Clock::now() >= asked) return PeerWait::kSilent;
+    if (wait_until(std::min(asked, Clock::now() + kSlice))) return PeerWait::kDone;
+  }
+  return wait_until(Clock::now() + timeout) ? PeerWait::kDone : PeerWait::kAnswering;
+}
+
+std::string PeerWaitVerdict(PeerWait found, int peer) {
+  const std::string r = "rank " + std::to_string(peer);
+  if (found == PeerWait::kSilent) return r + " is stuck or stopped (it does not answer)";
+  return r + " is alive (it answers) but has not gone on for another KERAS_RING_TIMEOUT, and no "
+         "rank reported a failure: it waits for another rank, or the ranks do not run the same "
+         "collectives";
+}
 
 namespace {
 

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,9 +60,9 @@ class World {
   virtual void Release(int rank) { (void)rank; }
   // This rank takes no further part (its engine failed, saying `why`):
   // peers waiting on it fail now, with `why` in their error, rather than at
-  // the timeout, where the world can tell them (the TCP world says goodbye
-  // and closes its connections; MPI cannot, and its launcher ends the job
-  // when the process exits).
+  // the timeout (the TCP world says goodbye and closes its connections; the
+  // MPI world sends a notice, and its launcher ends the job when the process
+  // exits).
   virtual void Abort(const std::string& why) { (void)why; }
 
  protected:
@@ -70,6 +71,28 @@ class World {
   virtual Transport& transport() = 0;
   virtual int max_tag() const = 0;
 };
+
+// How a network world's transfer waits on one peer, so that the rank blamed
+// at a timeout is the one that is stuck, not one waiting for it: a rank whose
+// peer waits in turn for a stopped rank would otherwise time out first and
+// name the wrong one. The worlds answer a liveness question in every wait of
+// theirs, and a rank that gives up tells the others (a notice that fails
+// their waits at once, with its reason). So: wait up to the timeout; then
+// ask the peer, for up to kAnswerWait; a peer that answers is alive and
+// waits for another rank, whose neighbour will name it and tell this rank,
+// so it gets one more timeout; a peer that does not answer is stuck.
+//
+// `wait_until(deadline)` makes progress until the transfer is done (true) or
+// the deadline passes (false), and may throw (the transfer failed, a notice
+// came); `ask` sends the question; `answered` says whether an answer came
+// since.
+enum class PeerWait { kDone, kSilent, kAnswering };
+constexpr auto kAnswerWait = std::chrono::seconds(1);
+PeerWait WaitOnPeer(std::chrono::milliseconds timeout,
+                    const std::function<bool(std::chrono::steady_clock::time_point)>& wait_until,
+                    const std::function<void()>& ask, const std::function<bool()>& answered);
+// The end of a timed-out wait's message for what WaitOnPeer found of `peer`.
+std::string PeerWaitVerdict(PeerWait found, int peer);
 
 // Set-up collectives over a transport: small and blocking (bounded like any
 // of its waits); every rank of the transport calls them in the same order.

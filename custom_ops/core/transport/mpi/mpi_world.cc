@@ -3,6 +3,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <deque>
@@ -67,49 +68,30 @@ void Abandon(MPI_Request* request) {
   if (!done) MPI_Request_free(request);
 }
 
+class MpiWorld;
+
 class MpiPending : public Pending {
  public:
-  MpiPending(MPI_Request request, size_t bytes, bool is_recv, int rank, int peer, int tag,
-             std::chrono::milliseconds timeout, const std::function<void()>* while_waiting)
-      : request_(request), bytes_(bytes), is_recv_(is_recv), rank_(rank), peer_(peer), tag_(tag),
-        timeout_(timeout), while_waiting_(while_waiting) {}
+  MpiPending(MPI_Request request, size_t bytes, bool is_recv, int peer, int tag,
+             MpiWorld* world)
+      : request_(request), bytes_(bytes), is_recv_(is_recv), peer_(peer), tag_(tag),
+        world_(world) {}
   ~MpiPending() override { Abandon(&request_); }
-
-  void Wait() override {
-    MPI_Status status;
-    const char* what = is_recv_ ? "MPI_Test (receive)" : "MPI_Test (send)";
-    if (!WaitUntil(&request_, &status, Clock::now() + timeout_, *while_waiting_, what)) {
-      Abandon(&request_);
-      world_failed = true;
-      throw EngineError("keras-ring: rank " + std::to_string(rank_) + " waited " +
-                        SecondsText(timeout_) + " s (KERAS_RING_TIMEOUT) for rank " +
-                        std::to_string(peer_) + (is_recv_ ? " to send it " : " to receive ") +
-                        std::to_string(bytes_) + " bytes (tag " + std::to_string(tag_) +
-                        "): rank " + std::to_string(peer_) +
-                        " is stuck or stopped in the middle of the collective");
-    }
-    if (!is_recv_) return;
-    int count = 0;
-    MPI_Get_count(&status, MPI_BYTE, &count);
-    KR_CHECK(static_cast<size_t>(count) == bytes_,
-             "received " + std::to_string(count) + " bytes, expected " + std::to_string(bytes_));
-  }
+  void Wait() override;
 
  private:
   MPI_Request request_;
   size_t bytes_;
   bool is_recv_;
-  int rank_, peer_, tag_;
-  std::chrono::milliseconds timeout_;
-  const std::function<void()>* while_waiting_;  // the world's, which outlives its transfers
+  int peer_, tag_;
+  MpiWorld* world_;  // outlives its transfers
 };
 
 // Point-to-point over the world's data communicator.
 class MpiTransport : public Transport {
  public:
-  MpiTransport(MPI_Comm comm, int rank, int size, std::chrono::milliseconds timeout,
-               const std::function<void()>* while_waiting)
-      : comm_(comm), rank_(rank), size_(size), timeout_(timeout), while_waiting_(while_waiting) {}
+  MpiTransport(MPI_Comm comm, int rank, int size, MpiWorld* world)
+      : comm_(comm), rank_(rank), size_(size), world_(world) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
@@ -118,23 +100,20 @@ class MpiTransport : public Transport {
     MPI_Request req;
     CheckMpi(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &req),
              "MPI_Isend");
-    return std::make_unique<MpiPending>(req, bytes, false, rank_, peer, tag, timeout_,
-                                        while_waiting_);
+    return std::make_unique<MpiPending>(req, bytes, false, peer, tag, world_);
   }
   PendingPtr Irecv(void* buf, size_t bytes, int peer, int tag) override {
     KR_CHECK(bytes <= kMaxMessageBytes, "message of " + std::to_string(bytes) + " bytes");
     MPI_Request req;
     CheckMpi(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &req),
              "MPI_Irecv");
-    return std::make_unique<MpiPending>(req, bytes, true, rank_, peer, tag, timeout_,
-                                        while_waiting_);
+    return std::make_unique<MpiPending>(req, bytes, true, peer, tag, world_);
   }
 
  private:
   MPI_Comm comm_;
   int rank_, size_;
-  std::chrono::milliseconds timeout_;
-  const std::function<void()>* while_waiting_;
+  MpiWorld* world_;
 };
 
 class MpiWorld : public World {
@@ -160,7 +139,8 @@ class MpiWorld : public World {
     // busy in another process set's collectives, say) could leave a peer
     // without room to send the very data that rank waits for.
     drain_ = [this] { Drain(); };
-    transport_ = std::make_unique<MpiTransport>(data_, rank_, size_, timeout_, &drain_);
+    answered_.assign(size_, false);
+    transport_ = std::make_unique<MpiTransport>(data_, rank_, size_, this);
     char name[256] = {};
     gethostname(name, sizeof name - 1);
     host_ = name;
@@ -183,11 +163,7 @@ class MpiWorld : public World {
   bool threads_supported() const override { return threads_supported_; }
 
   void Post(int to, std::shared_ptr<const std::vector<char>> message) override {
-    MPI_Request req;
-    CheckMpi(MPI_Isend(message->data(), static_cast<int>(message->size()), MPI_BYTE, to, kTag,
-                       control_, &req),
-             "MPI_Isend (control)");
-    sends_.emplace_back(req, std::move(message));
+    Send(to, kTag, std::move(message));
     Reap();
   }
 
@@ -203,8 +179,9 @@ class MpiWorld : public World {
 
   void Flush() override {
     const auto deadline = Clock::now() + timeout_;
-    for (auto& send : sends_) {
-      if (!WaitUntil(&send.first, MPI_STATUS_IGNORE, deadline, drain_, "MPI_Test (control)")) {
+    // By index: draining may answer a question, which adds a send.
+    for (size_t i = 0; i < sends_.size(); ++i) {
+      if (!WaitUntil(&sends_[i].first, MPI_STATUS_IGNORE, deadline, drain_, "MPI_Test (control)")) {
         world_failed = true;
         throw EngineError("keras-ring: rank " + std::to_string(rank_) + " waited " +
                           SecondsText(timeout_) +
@@ -216,16 +193,60 @@ class MpiWorld : public World {
   }
 
   void Progress() override { Drain(); }
-  // MPI cannot tell the peers; the launcher ends the job once this process
-  // exits without MPI_Finalize.
-  void Abort(const std::string&) override { world_failed = true; }
+  // Every other rank is told why, in a notice that fails its waits; the
+  // launcher ends the job once this process exits without MPI_Finalize.
+  void Abort(const std::string& why) override {
+    world_failed = true;
+    auto notice = std::make_shared<const std::vector<char>>(
+        why.begin(), why.begin() + std::min<size_t>(why.size(), kMaxNoticeBytes));
+    try {
+      const size_t first = sends_.size();
+      for (int r = 0; r < size_; ++r) {
+        if (r != rank_) Send(r, kNoticeTag, notice);
+      }
+      // Briefly: a rank that does not take it is stuck, and hears of it when the job ends.
+      const auto deadline = Clock::now() + std::min<Clock::duration>(kNoticeWait, timeout_);
+      for (size_t i = first; i < sends_.size(); ++i) {
+        if (!WaitUntil(&sends_[i].first, MPI_STATUS_IGNORE, deadline, nullptr,
+                       "MPI_Test (notice)")) {
+          return;
+        }
+      }
+    } catch (const EngineError&) {
+      // MPI itself failed (a peer's death, say): the launcher ends the job.
+    }
+  }
+
+  const std::function<void()>& drain() const { return drain_; }
+  std::chrono::milliseconds data_timeout() const { return timeout_; }
+  // Asks `peer` whether it is alive: its world answers in any of its waits.
+  void Ask(int peer) {
+    answered_[peer] = false;
+    Send(peer, kAskTag, std::make_shared<const std::vector<char>>());
+  }
+  bool Answered(int peer) const { return answered_[peer]; }
 
  protected:
   Transport& transport() override { return *transport_; }
   int max_tag() const override { return max_tag_; }
 
  private:
+  // Tags on the control communicator: control messages, a failed rank's
+  // notice (its reason), and the liveness question and its answer.
   static constexpr int kTag = 1;
+  static constexpr int kNoticeTag = 2;
+  static constexpr int kAskTag = 3;
+  static constexpr int kAnswerTag = 4;
+  static constexpr size_t kMaxNoticeBytes = 4096;
+  static constexpr auto kNoticeWait = std::chrono::seconds(2);
+
+  void Send(int to, int tag, std::shared_ptr<const std::vector<char>> message) {
+    MPI_Request req;
+    CheckMpi(MPI_Isend(message->data(), static_cast<int>(message->size()), MPI_BYTE, to, tag,
+                       control_, &req),
+             "MPI_Isend (control)");
+    sends_.emplace_back(req, std::move(message));
+  }
 
   MPI_Comm Duplicate(const char* what) {
     MPI_Comm comm = MPI_COMM_NULL;
@@ -248,20 +269,36 @@ class MpiWorld : public World {
     if (data_ != MPI_COMM_NULL) MPI_Comm_free(&data_);
   }
 
-  // Receives every control message that has arrived into the inbox.
+  // Receives every control message that has arrived into the inbox, answers
+  // questions, and throws a notice's reason.
   void Drain() {
     for (;;) {
       int flag = 0;
       MPI_Status status;
-      CheckMpi(MPI_Iprobe(MPI_ANY_SOURCE, kTag, control_, &flag, &status), "MPI_Iprobe (control)");
+      CheckMpi(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, control_, &flag, &status),
+               "MPI_Iprobe (control)");
       if (!flag) return;
       int count = 0;
       MPI_Get_count(&status, MPI_BYTE, &count);
       std::vector<char> bytes(count);
-      CheckMpi(MPI_Recv(bytes.data(), count, MPI_BYTE, status.MPI_SOURCE, kTag, control_,
+      const int from = status.MPI_SOURCE;
+      CheckMpi(MPI_Recv(bytes.data(), count, MPI_BYTE, from, status.MPI_TAG, control_,
                         MPI_STATUS_IGNORE),
                "MPI_Recv (control)");
-      inbox_.emplace_back(status.MPI_SOURCE, std::move(bytes));
+      switch (status.MPI_TAG) {
+        case kAskTag:
+          Send(from, kAnswerTag, std::make_shared<const std::vector<char>>());
+          break;
+        case kAnswerTag:
+          answered_[from] = true;
+          break;
+        case kNoticeTag:
+          world_failed = true;
+          throw EngineError("keras-ring: rank " + std::to_string(from) +
+                            " gave up and left the job: " + std::string(bytes.begin(), bytes.end()));
+        default:
+          inbox_.emplace_back(from, std::move(bytes));
+      }
     }
   }
 
@@ -284,9 +321,35 @@ class MpiWorld : public World {
   std::function<void()> drain_;
   std::unique_ptr<MpiTransport> transport_;
   std::deque<std::pair<int, std::vector<char>>> inbox_;
+  std::vector<bool> answered_;  // by each rank asked, since it was asked
   // Control messages in flight with the bytes they send from.
   std::deque<std::pair<MPI_Request, std::shared_ptr<const std::vector<char>>>> sends_;
 };
+
+void MpiPending::Wait() {
+  MPI_Status status;
+  const char* what = is_recv_ ? "MPI_Test (receive)" : "MPI_Test (send)";
+  const PeerWait found = WaitOnPeer(
+      world_->data_timeout(),
+      [&](Clock::time_point deadline) {
+        return WaitUntil(&request_, &status, deadline, world_->drain(), what);
+      },
+      [&] { world_->Ask(peer_); }, [&] { return world_->Answered(peer_); });
+  if (found != PeerWait::kDone) {
+    Abandon(&request_);
+    world_failed = true;
+    throw EngineError("keras-ring: rank " + std::to_string(world_->rank()) + " waited " +
+                      SecondsText(world_->data_timeout()) + " s (KERAS_RING_TIMEOUT) for rank " +
+                      std::to_string(peer_) + (is_recv_ ? " to send it " : " to receive ") +
+                      std::to_string(bytes_) + " bytes (tag " + std::to_string(tag_) +
+                      ") in the middle of a collective: " + PeerWaitVerdict(found, peer_));
+  }
+  if (!is_recv_) return;
+  int count = 0;
+  MPI_Get_count(&status, MPI_BYTE, &count);
+  KR_CHECK(static_cast<size_t>(count) == bytes_,
+           "received " + std::to_string(count) + " bytes, expected " + std::to_string(bytes_));
+}
 
 }  // namespace
 

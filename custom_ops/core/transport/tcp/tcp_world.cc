@@ -28,6 +28,9 @@ constexpr uint8_t kDataFrame = 0;
 constexpr uint8_t kControlFrame = 1;
 // The sender's engine failed and it leaves the job: the payload says why.
 constexpr uint8_t kGoodbyeFrame = 2;
+// Whether the peer is alive (World's WaitOnPeer), and its answer: no payload.
+constexpr uint8_t kAskFrame = 3;
+constexpr uint8_t kAnswerFrame = 4;
 // How long Abort waits for its goodbyes to leave, at most.
 constexpr auto kGoodbyeWait = std::chrono::seconds(2);
 // Socket reads land here when no large payload is being read: many small
@@ -128,6 +131,7 @@ struct Peer {
   std::string lost_reason;
   bool control_lost = false;  // control messages to it were lost with it
   bool released = false;      // it has said its last (World::Release): its loss is no failure
+  bool answered = false;      // it answered since it was last asked
   // Control messages come first, at most behind a data frame already begun.
   std::deque<std::shared_ptr<SendOp>> out;
   size_t control_queued = 0;
@@ -211,7 +215,7 @@ struct TcpWorld::State {
     uint64_t bytes = 0;
     for (int i = 0; i < 4; ++i) tag = tag << 8 | h[4 + i];
     for (int i = 0; i < 8; ++i) bytes = bytes << 8 | h[8 + i];
-    if (h[0] > kGoodbyeFrame || h[1] != 0 || h[2] != 0 || h[3] != 0 || tag > INT_MAX ||
+    if (h[0] > kAnswerFrame || h[1] != 0 || h[2] != 0 || h[3] != 0 || tag > INT_MAX ||
         bytes > Transport::kMaxMessageBytes) {
       MarkLost(peer, "it sent a malformed frame header");
       return;
@@ -252,13 +256,30 @@ struct TcpWorld::State {
       MarkLost(peer, "it left the job: " + why);
       return;
     }
-    if (in.control) inbox.emplace_back(peer, std::move(*in.control));
+    const uint8_t kind = in.kind;
+    if (kind == kControlFrame) inbox.emplace_back(peer, std::move(*in.control));
     if (in.recv) in.recv->done = true;
     if (in.unexpected) in.unexpected->complete = true;
     in.in_payload = false;
     in.control.reset();
     in.recv.reset();
     in.unexpected.reset();
+    if (kind == kAskFrame) SendEmpty(peer, kAnswerFrame);
+    if (kind == kAnswerFrame) peers[peer].answered = true;
+  }
+
+  // Asks `peer` whether it is alive; its world answers in any of its waits.
+  void Ask(int peer) {
+    peers[peer].answered = false;
+    SendEmpty(peer, kAskFrame);
+  }
+
+  void SendEmpty(int peer, uint8_t kind) {
+    auto op = std::make_shared<SendOp>();
+    op->peer = peer;
+    op->control = true;
+    EncodeHeader(op->header, kind, 0, 0);
+    Queue(peer, op);
   }
 
   // Parses bytes read into the staging buffer.
@@ -391,14 +412,32 @@ struct TcpWorld::State {
     }
   }
 
-  // Makes progress until done() (which may throw the operation's error), or
-  // throws what timed_out() says once the world's timeout has passed.
+  // Makes progress until done() (which may throw the operation's error):
+  // true, or false once `deadline` has passed.
+  template <typename Done>
+  bool ProgressUntil(std::unique_lock<std::mutex>& lock, Done done, Clock::time_point deadline) {
+    while (!done()) {
+      if (Clock::now() >= deadline) return false;
+      PollOnce(lock, std::min(kPollSliceMs, MillisecondsUntil(deadline)));
+    }
+    return true;
+  }
+
+  // The same up to the world's timeout, then throws what timed_out() says.
   template <typename Done, typename TimedOut>
   void WaitUntil(std::unique_lock<std::mutex>& lock, Done done, TimedOut timed_out) {
-    const Clock::time_point deadline = Clock::now() + timeout;
-    while (!done()) {
-      if (Clock::now() >= deadline) throw EngineError(timed_out());
-      PollOnce(lock, std::min(kPollSliceMs, MillisecondsUntil(deadline)));
+    if (!ProgressUntil(lock, done, Clock::now() + timeout)) throw EngineError(timed_out());
+  }
+
+  // A transfer's wait on `peer` (WaitOnPeer): timed_out() and the verdict on
+  // the peer make the error.
+  template <typename Done, typename TimedOut>
+  void WaitOn(int peer, std::unique_lock<std::mutex>& lock, Done done, TimedOut timed_out) {
+    const PeerWait found = WaitOnPeer(
+        timeout, [&](Clock::time_point deadline) { return ProgressUntil(lock, done, deadline); },
+        [&] { Ask(peer); }, [&] { return peers[peer].answered; });
+    if (found != PeerWait::kDone) {
+      throw EngineError(timed_out() + ": " + PeerWaitVerdict(found, peer));
     }
   }
 
@@ -477,8 +516,8 @@ struct TcpWorld::State {
 
   void WaitSend(SendOp& op) {
     std::unique_lock<std::mutex> lock(mu);
-    WaitUntil(
-        lock,
+    WaitOn(
+        op.peer, lock,
         [&] {
           if (!op.error.empty()) throw EngineError(op.error);
           return op.done;
@@ -486,16 +525,15 @@ struct TcpWorld::State {
         [&] {
           const size_t handed = op.sent > kHeaderBytes ? op.sent - kHeaderBytes : 0;
           return "keras-ring: " + R(rank) + " waited " + std::to_string(timeout.count()) +
-                 " ms for " + R(op.peer) + " to take " + MessageOf(op.bytes, op.tag) + "; " +
-                 std::to_string(handed) + " bytes of it were handed over and " + R(op.peer) +
-                 " is not reading";
+                 " ms for " + R(op.peer) + " to take " + MessageOf(op.bytes, op.tag) + " (" +
+                 std::to_string(handed) + " bytes of it were handed over)";
         });
   }
 
   void WaitRecv(RecvOp& op) {
     std::unique_lock<std::mutex> lock(mu);
-    WaitUntil(
-        lock,
+    WaitOn(
+        op.peer, lock,
         [&] {
           if (!op.error.empty()) throw EngineError(op.error);
           return op.done;
