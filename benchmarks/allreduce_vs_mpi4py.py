@@ -9,8 +9,8 @@ world, whose rendezvous store rank 0 serves itself on `--store-host`
 (loopback by default; across hosts, an address of rank 0's host that the
 others reach), while mpi4py's baseline stays on the job's MPI.
 
-Every method reduces the same float32 buffer, interleaved round by round so
-that the machine's noise hits all methods alike. Rank 0 prints a table (median
+Every method reduces the same float32 buffer, one method after the other,
+each call started together on every rank (a barrier). Rank 0 prints a table (median
 time, algbw = bytes / time, busbw = algbw * 2(p-1)/p as nccl-tests define
 them, and each method's time relative to mpi4py and to the memory-bandwidth
 floor), and writes JSON and a PNG plot to benchmarks/results/.
@@ -37,6 +37,9 @@ import keras_ring as kr  # noqa: E402
 from keras_ring import _engine  # noqa: E402
 from keras_ring._rendezvous import RendezvousServer  # noqa: E402
 
+TCP_WORLD_VARIABLES = ("KERAS_RING_TRANSPORT", "KERAS_RING_RANK", "KERAS_RING_SIZE",
+                       "KERAS_RING_RENDEZVOUS", "KERAS_RING_SECRET")
+
 
 def start_tcp_world(comm, store_host, servers):
     """Restarts keras-ring on the TCP world, rank 0 serving the store (kept in `servers`)."""
@@ -55,6 +58,14 @@ def start_tcp_world(comm, store_host, servers):
     kr.init()
 
 
+def start_mpi_world():
+    """Restarts keras-ring on the job's MPI world (after the TCP world)."""
+    kr.shutdown()
+    for name in TCP_WORLD_VARIABLES:
+        os.environ.pop(name, None)
+    kr.init()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16])
@@ -63,6 +74,8 @@ def main():
     parser.add_argument("--store-host", default="127.0.0.1")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
+    if len(set(args.transport)) != len(args.transport):
+        parser.error("--transport: each world once")
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -78,6 +91,8 @@ def main():
     for transport in args.transport:
         if transport == "tcp":
             start_tcp_world(comm, args.store_host, servers)
+        elif transport != args.transport[0]:
+            start_mpi_world()
         # Named by world only when both run, so that one-world tables read as before.
         world = f" ({transport})" if len(args.transport) > 1 else ""
         baselines = transport == args.transport[0]
