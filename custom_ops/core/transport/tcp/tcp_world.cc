@@ -48,6 +48,8 @@ constexpr int kMaxIov = 64;
 // A thread waiting in poll() wakes at least this often, so that work another
 // thread queued meanwhile (which this poll does not watch) waits no longer.
 constexpr int kPollSliceMs = 20;
+// How often Progress() polls the sockets, at most.
+constexpr auto kProgressEvery = std::chrono::milliseconds(1);
 // How long an accepted connection may take to authenticate, and how many may
 // be authenticating at once.
 constexpr auto kAcceptHandshakeTimeout = std::chrono::seconds(10);
@@ -156,6 +158,7 @@ struct TcpWorld::State {
   std::deque<std::pair<int, std::vector<char>>> inbox;
   std::vector<char> staging;
   std::vector<char> discard;
+  Clock::time_point progressed;  // Progress()'s last poll
 
   std::string Lost(int peer, const std::string& doing) const {
     return "keras-ring: " + R(peer) + "'s connection was lost (" + peers[peer].lost_reason +
@@ -389,8 +392,11 @@ struct TcpWorld::State {
   // Waits up to timeout_ms for any socket to be ready, then services those
   // that are. Unlocks while it waits.
   void PollOnce(std::unique_lock<std::mutex>& lock, int timeout_ms) {
-    std::vector<pollfd> fds;
-    std::vector<int> who;
+    // Per thread, kept: a waiting rank polls thousands of times a second.
+    thread_local std::vector<pollfd> fds;
+    thread_local std::vector<int> who;
+    fds.clear();
+    who.clear();
     for (int r = 0; r < size; ++r) {
       const Peer& p = peers[r];
       if (r == rank || p.lost) continue;
@@ -855,8 +861,15 @@ void TcpWorld::Release(int rank) {
 }
 
 void TcpWorld::Progress() {
-  std::unique_lock<std::mutex> lock(state_->mu);
-  state_->PollOnce(lock, 0);
+  // Called in every few hundred spins of a shared-memory wait, where the
+  // kernel moves the bytes anyway: only answers and queued control messages
+  // need this, and a poll() system call in every call would slow the wait.
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  const auto now = Clock::now();
+  if (now - s.progressed < kProgressEvery) return;
+  s.progressed = now;
+  s.PollOnce(lock, 0);
 }
 
 }  // namespace keras_ring
