@@ -13,6 +13,7 @@
 #include <unordered_set>
 
 #include "algorithms.h"
+#include "fusion.h"
 #include "log.h"
 #include "reduce.h"
 
@@ -41,12 +42,6 @@ constexpr auto kDriveSpin = std::chrono::microseconds(200);
 std::chrono::microseconds PollSleep(int idle_passes) {
   int doublings = std::min(idle_passes - kSpinPasses, 7);
   return std::min(kMaxPollSleep, std::chrono::microseconds(10) * (1 << doublings));
-}
-
-size_t ElementCount(const std::vector<int64_t>& shape, size_t first = 0) {
-  size_t n = 1;
-  for (size_t i = first; i < shape.size(); ++i) n *= static_cast<size_t>(shape[i]);
-  return n;
 }
 
 void SetError(std::string* error, const std::string& message) {
@@ -283,7 +278,7 @@ kr_status Engine::Shutdown(std::string* error) {
   stopped_ = {};
   sets_.clear();
   set_ranks_.clear();
-  std::vector<char>().swap(fusion_buffer_);
+  fusion_buffer_.Release();
   SetError(error, "");
   return KR_OK;
 }
@@ -1050,7 +1045,7 @@ void Engine::Run(ProcessSet& set, std::vector<Request>& requests, const Response
   std::vector<size_t> ends = {requests.size()};
   if (resp.error.empty() && !requests.empty() &&
       requests[0].meta.collective == Collective::kAllreduce) {
-    ends = PlanAllreduces(&requests);
+    ends = PlanAllreduces(&requests, params_.fusion_threshold);
   }
   // A stalled tensor's error reaches ranks that never submitted it: no requests.
   if (timeline_.on() && !requests.empty()) TraceRunning(set, requests, ends, resp, started);
@@ -1173,47 +1168,6 @@ kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::
   return KR_OK;
 }
 
-std::vector<size_t> Engine::PlanAllreduces(std::vector<Request>* requests) const {
-  // Alike tensors (dtype, op, scale factors, compression) together, in the
-  // order their kinds first appear and, within a kind, in submission order;
-  // then cut where the next tensor would take a collective past the fusion
-  // threshold (a larger tensor alone; threshold 0: each alone). Every rank
-  // has the same requests in the same order and the same settings (rank
-  // 0's), so every rank plans the same collectives.
-  if (requests->size() == 1) return {1};  // the common case, without allocating
-  std::vector<const TensorMeta*> kinds;
-  std::vector<size_t> kind(requests->size());
-  for (size_t i = 0; i < requests->size(); ++i) {
-    const TensorMeta& m = (*requests)[i].meta;
-    size_t k = 0;
-    while (k < kinds.size() && !SameReduction(*kinds[k], m)) ++k;
-    if (k == kinds.size()) kinds.push_back(&m);
-    kind[i] = k;
-  }
-  if (kinds.size() > 1) {
-    std::vector<size_t> order(requests->size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return kind[a] < kind[b]; });
-    std::vector<Request> sorted;
-    sorted.reserve(order.size());
-    for (size_t i : order) sorted.push_back(std::move((*requests)[i]));
-    *requests = std::move(sorted);
-    std::sort(kind.begin(), kind.end());  // the kinds in their new order
-  }
-  std::vector<size_t> ends;
-  size_t bytes = 0;
-  for (size_t i = 0; i < requests->size(); ++i) {
-    const size_t more = Bytes((*requests)[i].meta);
-    const bool fits = i > 0 && kind[i] == kind[i - 1] && params_.fusion_threshold > 0 &&
-                      bytes + more <= params_.fusion_threshold;
-    if (i > 0 && !fits) ends.push_back(i);
-    bytes = fits ? bytes + more : more;
-  }
-  ends.push_back(requests->size());
-  return ends;
-}
-
 void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* end) {
   const TensorMeta& m = begin->meta;
   const size_t n = end - begin;
@@ -1282,26 +1236,13 @@ void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* 
   // Fused or compressed: pack every input into one buffer (converting to
   // the wire dtype), reduce once, unpack. Packing is a copy either way:
   // unfused, each input is copied to its output first.
-  const size_t esize = DataTypeSize(m.wire_dtype);
   const auto packing = timeline_.Now();
   o.count = total;
-  if (fusion_buffer_.size() < o.count * esize) fusion_buffer_.resize(o.count * esize);
-  char* packed = fusion_buffer_.data();
-  for (const Request* req = begin; req != end; ++req) {
-    const size_t count = ElementCount(req->meta.shape);
-    CopyElements(packed, m.wire_dtype, req->input, m.dtype, count);
-    packed += count * esize;
-  }
-  o.buffer = fusion_buffer_.data();
+  o.buffer = fusion_buffer_.Pack(begin, end);
   const auto packed_at = timeline_.Now();
   Allreduce(*set.transport, o);
   const auto reduced = timeline_.Now();
-  packed = fusion_buffer_.data();
-  for (const Request* req = begin; req != end; ++req) {
-    const size_t count = ElementCount(req->meta.shape);
-    CopyElements(req->output, m.dtype, packed, m.wire_dtype, count);
-    packed += count * esize;
-  }
+  fusion_buffer_.Unpack(begin, end);
   TracePhases(begin, end, {{"PACK", packing, packed_at},
                            {"COMMUNICATE", packed_at, reduced},
                            {"UNPACK", reduced, timeline_.Now()}});
@@ -1362,10 +1303,8 @@ bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
   ReduceScatterOptions o;
   for (int i = 0; i < p; ++i) o.counts.push_back(rows(i) * row_elements);
   // The algorithm works in place over the whole input: use the fusion buffer.
-  const size_t total = ElementCount(m.shape);
-  if (fusion_buffer_.size() < total * esize) fusion_buffer_.resize(total * esize);
-  CopyElements(fusion_buffer_.data(), m.wire_dtype, req.input, m.dtype, total);
-  o.buffer = fusion_buffer_.data();
+  char* buffer = fusion_buffer_.Pack(&req, &req + 1);
+  o.buffer = buffer;
   o.dtype = m.wire_dtype;
   o.op = m.op;
   o.prescale_factor = m.prescale_factor;
@@ -1378,7 +1317,7 @@ bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
   bool failed;
   void* out = AllocateOutput(req, out_shape, &scratch, &failed);
   const size_t before = std::accumulate(o.counts.begin(), o.counts.begin() + r, size_t{0});
-  CopyElements(out, m.dtype, fusion_buffer_.data() + before * esize, m.wire_dtype, o.counts[r]);
+  CopyElements(out, m.dtype, buffer + before * esize, m.wire_dtype, o.counts[r]);
   return !failed;
 }
 

@@ -19,44 +19,16 @@
 #include "autotune.h"
 #include "c_api.h"
 #include "common.h"
+#include "fusion.h"
 #include "negotiation.h"
 #include "options.h"
+#include "request.h"
 #include "shm.h"
 #include "timeline.h"
 #include "transport/transport.h"
 #include "transport/world.h"
 
 namespace keras_ring {
-
-// A request as the engine keeps it: the caller's kr_request with its name and
-// shape copied; or a group of them (kr_enqueue_and_drive's `group`), which
-// is agreed and scheduled as one name and run as its members.
-struct Request {
-  TensorMeta meta;
-  const void* input = nullptr;
-  void* output = nullptr;
-  int device = KR_DEVICE_CPU;
-  int64_t* received_splits = nullptr;  // alltoall, optional
-  int32_t process_set = 0;
-  void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape) = nullptr;
-  void (*done)(void* ctx, kr_status status, const char* message) = nullptr;
-  void* ctx = nullptr;
-  Timeline::Clock::time_point submitted;  // set only while a timeline records
-  // A group: its requests, in submission order (none if every one was
-  // refused); the group's own buffers and callbacks are unset, and
-  // meta.members is filled in only when the description is sent in full.
-  bool group = false;
-  std::vector<Request> members;
-
-  // Completes the request, or every member of a group.
-  void Complete(kr_status status, const std::string& message) const {
-    if (group) {
-      for (const Request& m : members) m.Complete(status, message);
-      return;
-    }
-    done(ctx, status, message.c_str());
-  }
-};
 
 // One process set as this process sees it. Set 0 is the whole job.
 struct ProcessSet {
@@ -161,10 +133,6 @@ class Engine {
   void Execute(ResponseList& list);
   // Runs one agreed collective (several requests when fused).
   void Run(ProcessSet& set, std::vector<Request>& requests, const Response& resp);
-  // Orders allreduce requests (a group's members, fused tensors) into as few
-  // collectives as the fusion threshold allows; returns where each one's
-  // requests end.
-  std::vector<size_t> PlanAllreduces(std::vector<Request>* requests) const;
   // Runs requests [begin, end), alike in dtype, op and scale factors, as one allreduce.
   void RunAllreduce(ProcessSet& set, const Request* begin, const Request* end);
   // The collective's span on each request's row, from the response's arrival.
@@ -272,7 +240,7 @@ class Engine {
   bool autotune_ = false;
   bool autotune_done_ = false;
   bool params_changed_ = false;  // rank 0: to send with the next response list
-  std::vector<char> fusion_buffer_;  // grows to the largest fused collective
+  FusionBuffer fusion_buffer_;
   Timeline timeline_;
   Timeline::Clock::time_point received_;  // when the response list being run arrived
   struct {
