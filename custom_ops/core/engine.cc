@@ -5,9 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
-#include <functional>
-#include <numeric>
 #include <random>
 #include <type_traits>
 #include <unordered_set>
@@ -141,7 +138,12 @@ std::string RankList(const std::vector<int>& ranks) {
 }  // namespace
 
 Engine::Engine(EngineOptions options, std::unique_ptr<World> world)
-    : options_(std::move(options)), world_(std::move(world)) {
+    : options_(std::move(options)),
+      world_(std::move(world)),
+      executor_(
+          params_, timeline_, stats_,
+          [this](const std::vector<int>& ranks, int32_t* id) { CreateProcessSet(ranks, id); },
+          [this](int32_t id) { DestroyProcessSet(id); }) {
   Start();
 }
 
@@ -278,7 +280,7 @@ kr_status Engine::Shutdown(std::string* error) {
   stopped_ = {};
   sets_.clear();
   set_ranks_.clear();
-  fusion_buffer_.Release();
+  executor_.Release();
   SetError(error, "");
   return KR_OK;
 }
@@ -463,15 +465,6 @@ std::string RepeatedMember(const Request& req) {
   return "";
 }
 
-// Fills in a group's description of its members, to be sent or cached.
-void DescribeMembers(Request* req) {
-  if (!req->group || req->meta.members) return;
-  auto members = std::make_shared<std::vector<TensorMeta>>();
-  members->reserve(req->members.size());
-  for (const Request& m : req->members) members->push_back(m.meta);
-  req->meta.members = std::move(members);
-}
-
 }  // namespace
 
 bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) {
@@ -531,7 +524,7 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
       req.Complete(KR_INVALID_ARGUMENT, "keras-ring: invalid group '" + name + "': " + m.error);
       req.members.clear();
     }
-    DescribeMembers(&req);
+    req.DescribeMembers();
     item.meta = m;
   }
   KR_LOG(kTrace, "submitted tensor '" + name + "' (" + m.Describe() + ")" +
@@ -924,107 +917,9 @@ bool Engine::ReceiveResponses(ResponseList* out) {
   return true;
 }
 
-namespace {
-
-// What a joined rank runs in place of a request it never made: zeros in,
-// whatever comes back is dropped.
-struct StandIn {
-  std::vector<char> input, output;
-  size_t element_bytes = 1;
-
-  static void* Allocate(void* ctx, int ndim, const int64_t* shape) {
-    auto* self = static_cast<StandIn*>(ctx);
-    self->output.resize(ElementCount(std::vector<int64_t>(shape, shape + ndim)) *
-                        self->element_bytes);
-    return self->output.data();
-  }
-  static void Done(void*, kr_status, const char*) {}
-
-  // A request of `meta`'s description that this stand-in serves.
-  static Request For(const TensorMeta& meta, std::vector<std::unique_ptr<StandIn>>* keep) {
-    auto s = std::make_unique<StandIn>();
-    Request req;
-    req.meta = meta;
-    if (req.meta.collective == Collective::kAllgather) req.meta.shape[0] = 0;
-    s->element_bytes = DataTypeSize(req.meta.dtype);
-    s->input.assign(ElementCount(req.meta.shape) * s->element_bytes, 0);
-    s->output.resize(s->input.size());
-    req.input = s->input.data();
-    req.output = s->output.data();
-    req.allocate_output = &StandIn::Allocate;
-    req.done = &StandIn::Done;
-    req.ctx = s.get();
-    keep->push_back(std::move(s));
-    return req;
-  }
-};
-
-}  // namespace
-
 void Engine::Execute(ResponseList& list) {
-  received_ = timeline_.Now();
   if (list.params) Apply(*list.params, list.tuned);
-  for (Response& resp : list.responses) {
-    auto found = sets_.find(resp.process_set);
-    // A list may mix sets: run those this rank is in (a removed set has
-    // failed its requests already).
-    if (found == sets_.end() || found->second.rank < 0) continue;
-    ProcessSet& set = found->second;
-    std::vector<Request> requests;
-    std::vector<std::unique_ptr<StandIn>> stand_ins;
-    try {
-      for (size_t i = 0; i < resp.names.size(); ++i) {
-        const int32_t id = resp.cache_ids[i];
-        if (resp.cached) {
-          KR_CHECK(id >= 0 && size_t(id) < set.cached.size(),
-                   "unknown cache id " + std::to_string(id));
-          resp.names[i] = set.cached[id].name;
-        }
-        const std::string& name = resp.names[i];
-        auto it = set.pending.find(name);
-        if (it == set.pending.end() && !resp.error.empty()) continue;  // stalled elsewhere
-        // Stalled without this rank: the request of this name it has here
-        // reached the coordinator after the decision (or is still on its
-        // way), which waits on it as a new one; failing it here would leave
-        // the coordinator pairing it with another rank's next request of
-        // the name, run with this rank's next buffer.
-        if (!resp.error.empty() && !resp.rows.empty() &&
-            (size_t(set.rank) >= resp.rows.size() || !resp.rows[set.rank])) {
-          continue;
-        }
-        if (it == set.pending.end() && set.joined && resp.send_metas) {
-          const TensorMeta& meta = resp.metas[i];
-          if (!meta.members) {
-            requests.push_back(StandIn::For(meta, &stand_ins));
-            continue;
-          }
-          for (const TensorMeta& m : *meta.members) requests.push_back(StandIn::For(m, &stand_ins));
-          continue;
-        }
-        KR_CHECK(it != set.pending.end(), "the coordinator scheduled tensor '" + name +
-                                              "', which this rank has not submitted");
-        Request& req = it->second;
-        // A new cache entry: remember this rank's request under the id.
-        if (id >= 0 && !resp.cached) {
-          if (set.cached.size() <= size_t(id)) set.cached.resize(id + 1);
-          DescribeMembers(&req);
-          set.cached[id] = req.meta;
-          set.cache_ids[name] = id;
-        }
-        if (req.group) {
-          for (Request& m : req.members) requests.push_back(std::move(m));
-        } else {
-          requests.push_back(std::move(req));
-        }
-        set.pending.erase(it);
-      }
-    } catch (const std::exception& e) {
-      // Requests taken out of `pending` must still complete.
-      for (const Request& req : requests) req.Complete(KR_INTERNAL, e.what());
-      throw;
-    }
-    Run(set, requests, resp);
-  }
+  executor_.Execute(list, sets_);
   if (list.shutdown_rank >= 0) {
     const std::string who = "keras-ring: rank " + std::to_string(list.shutdown_rank);
     FailAll(KR_ABORTED,
@@ -1038,126 +933,6 @@ void Engine::Execute(ResponseList& list) {
   }
 }
 
-void Engine::Run(ProcessSet& set, std::vector<Request>& requests, const Response& resp) {
-  const auto started = timeline_.Now();
-  // Where each collective's requests end: allreduces (a group's members,
-  // fused tensors) may take several.
-  std::vector<size_t> ends = {requests.size()};
-  if (resp.error.empty() && !requests.empty() &&
-      requests[0].meta.collective == Collective::kAllreduce) {
-    ends = PlanAllreduces(&requests, params_.fusion_threshold);
-  }
-  // A stalled tensor's error reaches ranks that never submitted it: no requests.
-  if (timeline_.on() && !requests.empty()) TraceRunning(set, requests, ends, resp, started);
-  set.collectives_run += ends.size();
-  if (!resp.error.empty()) {
-    for (const Request& req : requests) {
-      if (req.meta.collective == Collective::kJoin) set.joined = false;
-      Complete(req, resp.status, resp.error);
-    }
-    return;
-  }
-  if (requests.empty()) return;  // a group of this rank's whose every member was refused
-  bool ok = true;
-  try {
-    switch (requests[0].meta.collective) {
-      case Collective::kAllreduce:
-        for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
-          RunAllreduce(set, requests.data() + begin, requests.data() + ends[k]);
-          if (ends[k] - begin > 1) stats_.fused_tensors += ends[k] - begin;
-        }
-        break;
-      case Collective::kBroadcast:
-        RunBroadcast(set, requests[0]);
-        break;
-      case Collective::kAllgather:
-        ok = RunAllgather(set, requests[0], resp);
-        break;
-      case Collective::kReducescatter:
-        ok = RunReducescatter(set, requests[0]);
-        break;
-      case Collective::kAlltoall:
-        ok = RunAlltoall(set, requests[0], resp);
-        break;
-      case Collective::kJoin: {
-        // The last rank to join, as a rank of the set.
-        const int32_t last = static_cast<int32_t>(resp.rows[0]);
-        std::memcpy(requests[0].output, &last, sizeof last);
-        set.joined = false;
-        break;
-      }
-      case Collective::kAddProcessSet: {
-        const TensorMeta& m = requests[0].meta;
-        CreateProcessSet(std::vector<int>(m.splits.begin(), m.splits.end()),
-                         static_cast<int32_t*>(requests[0].output));
-        break;
-      }
-      case Collective::kRemoveProcessSet:
-        DestroyProcessSet(static_cast<int32_t>(requests[0].meta.splits[0]));
-        break;
-    }
-  } catch (const std::exception& e) {
-    for (const Request& req : requests) {
-      Complete(req, KR_INTERNAL, std::string(e.what()) + " (tensor '" + req.meta.name + "')");
-    }
-    throw;
-  }
-  // Allreduces record their own phases.
-  if (requests[0].meta.collective != Collective::kAllreduce) {
-    TracePhases(requests.data(), requests.data() + 1,
-                {{"COMMUNICATE", started, timeline_.Now()}});
-  }
-  stats_.collectives += ends.size();
-  stats_.tensors += requests.size();
-  if (!ok) return;
-  for (const Request& req : requests) Complete(req, KR_OK, "");
-}
-
-void Engine::TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
-                          const std::vector<size_t>& ends, const Response& resp,
-                          Timeline::Clock::time_point started) {
-  const auto arrived = received_ == Timeline::Clock::time_point() ? started : received_;
-  const char* span = CollectiveName(requests[0].meta.collective);  // written in capitals
-  for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
-    size_t bytes = 0;
-    for (size_t i = begin; i < ends[k]; ++i) bytes += Bytes(requests[i].meta);
-    // Every member counts the set's collectives alike: tensors with the
-    // same group ran fused, on every rank.
-    const auto args = std::make_shared<const std::string>(
-        "\"group\":" + std::to_string(set.collectives_run + k) + ",\"tensors\":" +
-        std::to_string(ends[k] - begin) + ",\"bytes\":" + std::to_string(bytes) +
-        (resp.error.empty() ? "" : ",\"error\":" + Timeline::Quote(resp.error)));
-    for (size_t i = begin; i < ends[k]; ++i) {
-      auto row = timeline_.Row(requests[i].process_set, requests[i].meta.name);
-      row.End(arrived);  // NEGOTIATE
-      row.Begin(span, arrived, args);
-      row.Nested("QUEUE", arrived, started);
-    }
-  }
-}
-
-void Engine::TracePhases(const Request* begin, const Request* end,
-                         std::initializer_list<Phase> phases) {
-  if (!timeline_.on() || phases.begin()->start == Timeline::Clock::time_point()) return;
-  for (const Request* req = begin; req != end; ++req) {
-    auto row = timeline_.Row(req->process_set, req->meta.name);
-    for (const Phase& p : phases) row.Nested(p.name, p.start, p.end);
-  }
-}
-
-void Engine::Complete(const Request& req, kr_status status, const std::string& message) {
-  if (!timeline_.on()) {
-    req.Complete(status, message);
-    return;
-  }
-  const auto start = Timeline::Clock::now();
-  req.Complete(status, message);
-  const auto end = Timeline::Clock::now();
-  auto row = timeline_.Row(req.process_set, req.meta.name);
-  row.Nested("DONE", start, end);
-  row.End(end);
-}
-
 kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::string* error) {
   if (!initialized()) {
     SetError(error, "keras-ring is not initialised: call init() before start_timeline()");
@@ -1166,182 +941,6 @@ kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::
   if (!timeline_.Start(path, topology_.rank, mark_cycles, error)) return KR_INVALID_ARGUMENT;
   KR_LOG(kInfo, "recording the timeline into " + path);
   return KR_OK;
-}
-
-void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* end) {
-  const TensorMeta& m = begin->meta;
-  const size_t n = end - begin;
-  size_t total = 0;  // elements of all the requests
-  for (const Request* req = begin; req != end; ++req) total += ElementCount(req->meta.shape);
-  // With more ranks than cores, a shared-memory allreduce waits for ranks
-  // that are not running; recursive doubling over the network is faster for small ones
-  // (measured: 3 ranks on 2 cores, 4 KiB: 0.07 ms against 0.62 ms).
-  const bool small =
-      set.shm_oversubscribed && total * DataTypeSize(m.wire_dtype) <= params_.small_allreduce_bytes;
-  if (set.shm && !small) {
-    // Inputs are copied straight into shared memory and results straight
-    // out of it: no packing, fused or not.
-    const auto started = timeline_.Now();
-    ShmAllreduceOptions o;
-    o.spans.reserve(n);
-    for (const Request* req = begin; req != end; ++req) {
-      o.spans.push_back({req->input, req->output, ElementCount(req->meta.shape)});
-    }
-    o.dtype = m.dtype;
-    if (m.wire_dtype != m.dtype) o.wire_dtype = m.wire_dtype;
-    o.op = m.op;
-    o.prescale_factor = m.prescale_factor;
-    o.postscale_factor = m.postscale_factor;
-    o.round_bytes = params_.segment_bytes ? params_.segment_bytes : set.shm_round_bytes;
-    if (set.cross) {
-      // Hierarchical: each local rank's reduced block is reduced across
-      // hosts with the ranks of the same local rank, then shared locally.
-      o.op = SumForAverage(o.op, set.size(), &o.postscale_factor);
-      o.combine = [&](void* block, size_t count) {
-        AllreduceOptions cross;
-        cross.buffer = block;
-        cross.count = count;
-        cross.dtype = m.wire_dtype;
-        cross.op = o.op;
-        cross.small_bytes = params_.small_allreduce_bytes;
-        if (params_.segment_bytes) cross.segment_bytes = params_.segment_bytes;
-        Allreduce(*set.cross, cross);
-      };
-    }
-    set.shm->Allreduce(o);
-    TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
-    stats_.shm_collectives += 1;
-    if (set.cross) stats_.hierarchical_collectives += 1;
-    return;
-  }
-  AllreduceOptions o;
-  o.dtype = m.wire_dtype;
-  o.op = m.op;
-  o.prescale_factor = m.prescale_factor;
-  o.postscale_factor = m.postscale_factor;
-  o.small_bytes = params_.small_allreduce_bytes;
-  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
-  if (n == 1 && m.wire_dtype == m.dtype) {
-    const Request& req = *begin;
-    const auto started = timeline_.Now();
-    o.count = total;
-    if (o.count && req.output != req.input) {
-      std::memcpy(req.output, req.input, o.count * DataTypeSize(m.dtype));
-    }
-    o.buffer = req.output;
-    Allreduce(*set.transport, o);
-    TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
-    return;
-  }
-  // Fused or compressed: pack every input into one buffer (converting to
-  // the wire dtype), reduce once, unpack. Packing is a copy either way:
-  // unfused, each input is copied to its output first.
-  const auto packing = timeline_.Now();
-  o.count = total;
-  o.buffer = fusion_buffer_.Pack(begin, end);
-  const auto packed_at = timeline_.Now();
-  Allreduce(*set.transport, o);
-  const auto reduced = timeline_.Now();
-  fusion_buffer_.Unpack(begin, end);
-  TracePhases(begin, end, {{"PACK", packing, packed_at},
-                           {"COMMUNICATE", packed_at, reduced},
-                           {"UNPACK", reduced, timeline_.Now()}});
-}
-
-void Engine::RunBroadcast(ProcessSet& set, const Request& req) {
-  const TensorMeta& m = req.meta;
-  const size_t bytes = ElementCount(m.shape) * DataTypeSize(m.dtype);
-  if (bytes && set.rank == m.root_rank && req.output != req.input) {
-    std::memcpy(req.output, req.input, bytes);
-  }
-  BroadcastOptions o;
-  o.buffer = req.output;
-  o.bytes = bytes;
-  o.root = m.root_rank;
-  Broadcast(*set.transport, o);
-}
-
-void* Engine::AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
-                             std::vector<char>* scratch, bool* failed) {
-  const size_t bytes = ElementCount(shape) * DataTypeSize(req.meta.dtype);
-  void* out = req.allocate_output(req.ctx, static_cast<int>(shape.size()), shape.data());
-  // NULL is a failure only when there are bytes to hold (an empty tensor may
-  // have no buffer). Without an output this rank must still take part, or the
-  // others hang.
-  *failed = !out && bytes > 0;
-  if (!*failed) return out;
-  scratch->resize(bytes);
-  Complete(req, KR_INTERNAL, std::string("keras-ring: could not allocate the output of ") +
-                                 CollectiveName(req.meta.collective) + " for tensor '" +
-                                 req.meta.name + "'");
-  return scratch->data();
-}
-
-bool Engine::RunAllgather(ProcessSet& set, const Request& req, const Response& resp) {
-  const TensorMeta& m = req.meta;
-  const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
-  std::vector<int64_t> out_shape = m.shape;
-  out_shape[0] = std::accumulate(resp.rows.begin(), resp.rows.end(), int64_t{0});
-  AllgatherOptions o;
-  for (int64_t d : resp.rows) o.block_bytes.push_back(static_cast<size_t>(d) * row_bytes);
-  o.input = req.input;
-  std::vector<char> scratch;
-  bool failed;
-  o.output = AllocateOutput(req, out_shape, &scratch, &failed);
-  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
-  RingAllgather(*set.transport, o);
-  return !failed;
-}
-
-bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
-  const TensorMeta& m = req.meta;
-  const int p = set.size();
-  const size_t row_elements = ElementCount(m.shape, 1);
-  const size_t esize = DataTypeSize(m.wire_dtype);
-  const int r = set.rank;
-  auto rows = [&](int rank) { return m.shape[0] / p + (rank < m.shape[0] % p); };
-  ReduceScatterOptions o;
-  for (int i = 0; i < p; ++i) o.counts.push_back(rows(i) * row_elements);
-  // The algorithm works in place over the whole input: use the fusion buffer.
-  char* buffer = fusion_buffer_.Pack(&req, &req + 1);
-  o.buffer = buffer;
-  o.dtype = m.wire_dtype;
-  o.op = m.op;
-  o.prescale_factor = m.prescale_factor;
-  o.postscale_factor = m.postscale_factor;
-  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
-  RingReduceScatter(*set.transport, o);
-  std::vector<int64_t> out_shape = m.shape;
-  out_shape[0] = rows(r);
-  std::vector<char> scratch;
-  bool failed;
-  void* out = AllocateOutput(req, out_shape, &scratch, &failed);
-  const size_t before = std::accumulate(o.counts.begin(), o.counts.begin() + r, size_t{0});
-  CopyElements(out, m.dtype, buffer + before * esize, m.wire_dtype, o.counts[r]);
-  return !failed;
-}
-
-bool Engine::RunAlltoall(ProcessSet& set, const Request& req, const Response& resp) {
-  const TensorMeta& m = req.meta;
-  const int p = set.size();
-  const int r = set.rank;
-  const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
-  AlltoallOptions o;
-  std::vector<int64_t> out_shape = m.shape;
-  out_shape[0] = 0;
-  for (int i = 0; i < p; ++i) {
-    const int64_t sent = resp.rows[size_t(r) * p + i], received = resp.rows[size_t(i) * p + r];
-    o.send_bytes.push_back(static_cast<size_t>(sent) * row_bytes);
-    o.recv_bytes.push_back(static_cast<size_t>(received) * row_bytes);
-    out_shape[0] += received;
-    if (req.received_splits) req.received_splits[i] = received;
-  }
-  o.input = req.input;
-  std::vector<char> scratch;
-  bool failed;
-  o.output = AllocateOutput(req, out_shape, &scratch, &failed);
-  Alltoall(*set.transport, o);
-  return !failed;
 }
 
 void Engine::FailAll(kr_status status, const std::string& message) {

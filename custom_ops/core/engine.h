@@ -19,9 +19,10 @@
 #include "autotune.h"
 #include "c_api.h"
 #include "common.h"
-#include "fusion.h"
+#include "executor.h"
 #include "negotiation.h"
 #include "options.h"
+#include "process_set.h"
 #include "request.h"
 #include "shm.h"
 #include "timeline.h"
@@ -29,34 +30,6 @@
 #include "transport/world.h"
 
 namespace keras_ring {
-
-// One process set as this process sees it. Set 0 is the whole job.
-struct ProcessSet {
-  std::vector<int> ranks;        // world ranks, ascending
-  int rank = -1;                 // this process's rank within the set; -1: not a member
-  std::unique_ptr<Transport> transport;  // among the members
-  // Allreduce through shared memory among the members on this host; if the
-  // set spans hosts (hierarchical), `cross` links this member with those of
-  // the same local rank on the other hosts.
-  std::unique_ptr<ShmGroup> shm;
-  size_t shm_round_bytes = 0;  // the round size the engine chose (the slot may be larger)
-  // A host has more of the set's ranks than cores: small allreduces go over
-  // the network instead (the same on every member).
-  bool shm_oversubscribed = false;
-  std::unique_ptr<Transport> cross;
-  // World rank 0 coordinates every set, member or not.
-  std::unique_ptr<Coordinator> coordinator;
-  // Members only: requests sent to the coordinator and not yet completed.
-  std::unordered_map<std::string, Request> pending;
-  bool joined = false;  // a join request of this rank is pending
-  // The response cache as this rank knows it: name -> id, and by id the
-  // request this rank made when the coordinator cached the name.
-  std::unordered_map<std::string, int32_t> cache_ids;
-  std::vector<TensorMeta> cached;
-  uint64_t collectives_run = 0;  // the same count on every member: names fused groups
-
-  int size() const { return static_cast<int>(ranks.size()); }
-};
 
 class Engine {
  public:
@@ -130,32 +103,9 @@ class Engine {
   void AddToCoordinator(int world_rank, ReadyList list);
   bool ReceiveOnCoordinator(ResponseList* out);
   bool ReceiveResponses(ResponseList* out);
+  // Runs a response list (Executor), with the settings it carries; fails
+  // what is pending if it says a rank shut down.
   void Execute(ResponseList& list);
-  // Runs one agreed collective (several requests when fused).
-  void Run(ProcessSet& set, std::vector<Request>& requests, const Response& resp);
-  // Runs requests [begin, end), alike in dtype, op and scale factors, as one allreduce.
-  void RunAllreduce(ProcessSet& set, const Request* begin, const Request* end);
-  // The collective's span on each request's row, from the response's arrival.
-  void TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
-                    const std::vector<size_t>& ends, const Response& resp,
-                    Timeline::Clock::time_point started);
-  struct Phase {
-    const char* name;
-    Timeline::Clock::time_point start, end;  // start is zero if the timeline was off
-  };
-  void TracePhases(const Request* begin, const Request* end, std::initializer_list<Phase> phases);
-  // Completes the request, ending its span.
-  void Complete(const Request& req, kr_status status, const std::string& message);
-  void RunBroadcast(ProcessSet& set, const Request& req);
-  // These three allocate their output through the request; each returns false
-  // if that failed (the request is then already completed with the error).
-  bool RunAllgather(ProcessSet& set, const Request& req, const Response& resp);
-  bool RunReducescatter(ProcessSet& set, const Request& req);
-  bool RunAlltoall(ProcessSet& set, const Request& req, const Response& resp);
-  // Asks for the output; on failure returns a scratch buffer so that this rank
-  // still takes part in the collective, and sets *failed.
-  void* AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
-                       std::vector<char>* scratch, bool* failed);
   void CreateProcessSet(const std::vector<int>& ranks, int32_t* id);
   // Sets up the set's transports (this rank a member).
   void Connect(ProcessSet& set, int32_t id);
@@ -240,13 +190,9 @@ class Engine {
   bool autotune_ = false;
   bool autotune_done_ = false;
   bool params_changed_ = false;  // rank 0: to send with the next response list
-  FusionBuffer fusion_buffer_;
   Timeline timeline_;
-  Timeline::Clock::time_point received_;  // when the response list being run arrived
-  struct {
-    std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0}, cached_tensors{0},
-        shm_collectives{0}, hierarchical_collectives{0};
-  } stats_;
+  Stats stats_;
+  Executor executor_;
 
   kr_topology topology_{};
 };

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,15 @@ struct Request {
       return;
     }
     done(ctx, status, message.c_str());
+  }
+
+  // Fills in a group's description of its members, to be sent or cached.
+  void DescribeMembers() {
+    if (!group || meta.members) return;
+    auto described = std::make_shared<std::vector<TensorMeta>>();
+    described->reserve(members.size());
+    for (const Request& m : members) described->push_back(m.meta);
+    meta.members = std::move(described);
   }
 };
 
