@@ -162,6 +162,7 @@ void Engine::Start() {
   t.rank = world_->rank();
   t.size = world_->size();
   SetLogRank(t.rank);
+  const ThreadLogRank log_rank(t.rank);
   ProcessSet& world = sets_[0];
   for (int r = 0; r < t.size; ++r) world.ranks.push_back(r);
   world.rank = t.rank;
@@ -632,6 +633,7 @@ bool Engine::Step(bool* progress) {
   struct Clear {
     ~Clear() { running_pass = nullptr; }
   } clear;
+  const ThreadLogRank log_rank(topology_.rank);
   try {
     if (Pass(progress)) return true;
     // Every rank sends the coordinator exactly one shutdown message (its own
