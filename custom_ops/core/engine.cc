@@ -226,7 +226,6 @@ void Engine::Start() {
   }
   set_ranks_ = {{0, world.ranks}};
   running_ = true;
-  stopped_why_ = "keras-ring has been shut down";
   thread_ = std::thread(&Engine::Loop, this);
   KR_LOG(kInfo, "engine started: rank " + std::to_string(t.rank) + " of " +
                     std::to_string(t.size) + ", " + params_.Describe() + ", cache capacity " +
@@ -416,9 +415,9 @@ kr_status Engine::Enqueue(const kr_request* requests, int n, bool wake, const ch
     for (const Request& req : prepared) req.Complete(s, why + " (tensor '" + req.meta.name + "')");
     return s;
   };
-  if (!stopped_.second.empty()) {
+  if (!stopped_.why.empty()) {
     // The engine stopped by itself: say why, until shutdown() or init().
-    return refuse_all(stopped_.first, stopped_.second);
+    return refuse_all(stopped_.status, stopped_.why);
   }
   if (!running_ || shutdown_requested_) {
     return refuse_all(KR_NOT_INITIALIZED, "keras-ring is not initialised (call init() first) "
@@ -635,7 +634,8 @@ bool Engine::Step(bool* progress) {
   } clear;
   const ThreadLogRank log_rank(topology_.rank);
   try {
-    if (Pass(progress)) return true;
+    const int shut_down_by = Pass(progress);
+    if (shut_down_by < 0) return true;
     // Every rank sends the coordinator exactly one shutdown message (its own
     // request, or this acknowledgement) and the coordinator waits for all of
     // them, so no control message is left behind on the communicator.
@@ -647,7 +647,12 @@ bool Engine::Step(bool* progress) {
     }
     if (coordinating_) AwaitShutdowns();
     world_->Flush();
-    StopAccepting(KR_NOT_INITIALIZED, stopped_why_);
+    StopAccepting(KR_NOT_INITIALIZED,
+                  shut_down_by == topology_.rank
+                      ? "keras-ring has been shut down"
+                      : "keras-ring: rank " + std::to_string(shut_down_by) +
+                            " shut down (shutdown() or its process exiting), which stops the "
+                            "engine of every rank; init() starts it again");
   } catch (const std::exception& e) {
     // The ranks can no longer be assumed to be in step: fail everything, tell
     // the others, and refuse new work until shutdown() (which returns at
@@ -660,7 +665,7 @@ bool Engine::Step(bool* progress) {
   return false;
 }
 
-bool Engine::Pass(bool* progress) {
+int Engine::Pass(bool* progress) {
   std::deque<Request> fresh;
   bool shutdown;
   {
@@ -688,12 +693,7 @@ bool Engine::Pass(bool* progress) {
       for (int r = 0; r < topology_.size && !coordinating_; ++r) {
         if (r != kCoordinator && r != topology_.rank) world_->Release(r);
       }
-      if (list.shutdown_rank != topology_.rank) {
-        stopped_why_ = "keras-ring: rank " + std::to_string(list.shutdown_rank) +
-                       " shut down (shutdown() or its process exiting), which stops the engine "
-                       "of every rank; init() starts it again";
-      }
-      return false;
+      return list.shutdown_rank;
     }
   }
   if (!coordinating_) CheckCoordinator(got);
@@ -709,7 +709,7 @@ bool Engine::Pass(bool* progress) {
   pace_.outside_a_set = OutsideASet();
   pace_.shutdown_sent = shutdown_sent_;
   pace_.idle_passes = *progress ? 0 : pace_.idle_passes + 1;
-  return true;
+  return -1;
 }
 
 void Engine::CheckCoordinator(bool heard) {

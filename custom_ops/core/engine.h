@@ -94,7 +94,8 @@ class Engine {
   // other ranks have then been told, and further requests are refused).
   // *progress: whether the pass did anything.
   bool Step(bool* progress);
-  bool Pass(bool* progress);  // false: the job is shutting down
+  // The rank whose shutdown ends the loop (this one's, or another's), or -1.
+  int Pass(bool* progress);
   // Takes a request from the queue into its set's pending table and the ready
   // list; false if it was refused (and completed).
   bool Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready);
@@ -161,9 +162,12 @@ class Engine {
     bool shutdown_sent = false;
     int idle_passes = 0;
   } pace_;
-  // Why the loop stopped by itself (another rank shut down, or the engine
-  // failed), which refusals report until shutdown() or init(); empty: it did not.
-  std::pair<kr_status, std::string> stopped_{KR_OK, ""};
+  // How the loop ended (a shutdown, or the engine failing), which refusals
+  // report until shutdown() or init(); an empty `why`: it has not.
+  struct {
+    kr_status status = KR_OK;
+    std::string why;
+  } stopped_;
   // Copies of each set's world ranks, for framework threads.
   std::unordered_map<int32_t, std::vector<int>> set_ranks_;
   uint64_t control_calls_ = 0;  // names internal requests alike on every rank
@@ -172,7 +176,6 @@ class Engine {
   // a caller in Drive(). It owns what follows while it does.
   std::mutex pass_mu_;
   std::thread thread_;
-  std::string stopped_why_;  // why the loop ended (for refusals afterwards)
   std::unordered_map<int32_t, ProcessSet> sets_;
   int32_t next_set_id_ = 1;
   bool shutdown_sent_ = false;
