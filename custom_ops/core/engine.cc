@@ -141,7 +141,7 @@ Engine::Engine(EngineOptions options, std::unique_ptr<World> world)
     : options_(std::move(options)),
       world_(std::move(world)),
       executor_(
-          params_, timeline_, stats_,
+          params_, observers_,
           [this](const std::vector<int>& ranks, int32_t* id) { CreateProcessSet(ranks, id); },
           [this](int32_t id) { DestroyProcessSet(id); }) {
   Start();
@@ -355,7 +355,7 @@ kr_status Engine::Prepare(const kr_request& r, Request* out) {
   req.done = r.done;
   req.ctx = r.ctx;
   req.process_set = r.process_set;
-  if (timeline_.on()) req.submitted = Timeline::Clock::now();
+  req.submitted = observers_.Now();
   return KR_OK;
 }
 
@@ -512,9 +512,10 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
   list.process_set = req.process_set;
   ReadyList::Item item;
   auto cached = set.cache_ids.find(name);
-  if (cached != set.cache_ids.end() && SameAsCached(set.cached[cached->second], req)) {
+  const bool by_id =
+      cached != set.cache_ids.end() && SameAsCached(set.cached[cached->second], req);
+  if (by_id) {
     item.cache_id = cached->second;
-    stats_.cached_tensors += req.group ? req.members.size() : 1;
   } else {
     // A group described in full has new members: their names must be unique
     // (a cached group's were checked when it was described).
@@ -528,17 +529,9 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
     item.meta = m;
   }
   KR_LOG(kTrace, "submitted tensor '" + name + "' (" + m.Describe() + ")" +
-                     (item.cache_id >= 0 ? " by cache id" : ""));
+                     (by_id ? " by cache id" : ""));
   list.items.push_back(std::move(item));
-  if (timeline_.on()) {
-    const bool since_submission = req.submitted != Timeline::Clock::time_point();
-    const auto begin = since_submission ? req.submitted : Timeline::Clock::now();
-    // A group's members have a row each, as they would alone.
-    if (!req.group) timeline_.Row(req.process_set, name).Begin("NEGOTIATE", begin);
-    for (const Request& member : req.members) {
-      timeline_.Row(req.process_set, member.meta.name).Begin("NEGOTIATE", begin);
-    }
-  }
+  observers_.Negotiating(req, by_id);
   set.joined = set.joined || m.collective == Collective::kJoin;
   set.pending.emplace(name, std::move(req));
   return true;
@@ -697,12 +690,7 @@ int Engine::Pass(bool* progress) {
     }
   }
   if (!coordinating_) CheckCoordinator(got);
-  if (*progress && timeline_.mark_cycles()) {
-    timeline_.Mark("CYCLE", Timeline::Clock::now(),
-                   std::make_shared<const std::string>(
-                       "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
-                       std::to_string(got ? list.responses.size() : 0)));
-  }
+  if (*progress) observers_.Cycle(fresh.size(), got ? list.responses.size() : 0);
   const bool in_flight = InFlight() || shutdown_sent_ || CoordinatorBusy();
   std::lock_guard<std::mutex> lock(mu_);
   pace_.in_flight = in_flight;

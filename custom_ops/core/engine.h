@@ -19,6 +19,7 @@
 #include "autotune.h"
 #include "c_api.h"
 #include "common.h"
+#include "engine_trace.h"
 #include "executor.h"
 #include "negotiation.h"
 #include "options.h"
@@ -194,7 +195,9 @@ class Engine {
   bool autotune_done_ = false;
   bool params_changed_ = false;  // rank 0: to send with the next response list
   Timeline timeline_;
+  EngineTrace trace_{timeline_};
   Stats stats_;
+  Observers observers_{{&trace_, &stats_}};
   Executor executor_;
 
   kr_topology topology_{};

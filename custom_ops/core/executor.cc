@@ -49,7 +49,7 @@ struct StandIn {
 }  // namespace
 
 void Executor::Execute(ResponseList& list, std::unordered_map<int32_t, ProcessSet>& sets) {
-  received_ = timeline_.Now();
+  received_ = observers_.Now();
   for (Response& resp : list.responses) {
     auto found = sets.find(resp.process_set);
     // A list may mix sets: run those this rank is in (a removed set has
@@ -114,7 +114,7 @@ void Executor::Execute(ResponseList& list, std::unordered_map<int32_t, ProcessSe
 }
 
 void Executor::Run(ProcessSet& set, std::vector<Request>& requests, const Response& resp) {
-  const auto started = timeline_.Now();
+  const auto started = observers_.Now();
   // Where each collective's requests end: allreduces (a group's members,
   // fused tensors) may take several.
   std::vector<size_t> ends = {requests.size()};
@@ -123,7 +123,7 @@ void Executor::Run(ProcessSet& set, std::vector<Request>& requests, const Respon
     ends = PlanAllreduces(&requests, params_.fusion_threshold);
   }
   // A stalled tensor's error reaches ranks that never submitted it: no requests.
-  if (timeline_.on() && !requests.empty()) TraceRunning(set, requests, ends, resp, started);
+  if (!requests.empty()) observers_.Running(set, requests, ends, resp, received_, started);
   set.collectives_run += ends.size();
   if (!resp.error.empty()) {
     for (const Request& req : requests) {
@@ -139,7 +139,6 @@ void Executor::Run(ProcessSet& set, std::vector<Request>& requests, const Respon
       case Collective::kAllreduce:
         for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
           RunAllreduce(set, requests.data() + begin, requests.data() + ends[k]);
-          if (ends[k] - begin > 1) stats_.fused_tensors += ends[k] - begin;
         }
         break;
       case Collective::kBroadcast:
@@ -177,60 +176,19 @@ void Executor::Run(ProcessSet& set, std::vector<Request>& requests, const Respon
     }
     throw;
   }
-  // Allreduces record their own phases.
+  // Allreduces report their own collectives.
   if (requests[0].meta.collective != Collective::kAllreduce) {
-    TracePhases(requests.data(), requests.data() + 1,
-                {{"COMMUNICATE", started, timeline_.Now()}});
+    observers_.Ran(requests.data(), requests.data() + 1, Observer::Path::kNetwork,
+                   {{"COMMUNICATE", started, observers_.Now()}});
   }
-  stats_.collectives += ends.size();
-  stats_.tensors += requests.size();
   if (!ok) return;
   for (const Request& req : requests) Complete(req, KR_OK, "");
 }
 
-void Executor::TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
-                          const std::vector<size_t>& ends, const Response& resp,
-                          Timeline::Clock::time_point started) {
-  const auto arrived = received_ == Timeline::Clock::time_point() ? started : received_;
-  const char* span = CollectiveName(requests[0].meta.collective);  // written in capitals
-  for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
-    size_t bytes = 0;
-    for (size_t i = begin; i < ends[k]; ++i) bytes += Bytes(requests[i].meta);
-    // Every member counts the set's collectives alike: tensors with the
-    // same group ran fused, on every rank.
-    const auto args = std::make_shared<const std::string>(
-        "\"group\":" + std::to_string(set.collectives_run + k) + ",\"tensors\":" +
-        std::to_string(ends[k] - begin) + ",\"bytes\":" + std::to_string(bytes) +
-        (resp.error.empty() ? "" : ",\"error\":" + Timeline::Quote(resp.error)));
-    for (size_t i = begin; i < ends[k]; ++i) {
-      auto row = timeline_.Row(requests[i].process_set, requests[i].meta.name);
-      row.End(arrived);  // NEGOTIATE
-      row.Begin(span, arrived, args);
-      row.Nested("QUEUE", arrived, started);
-    }
-  }
-}
-
-void Executor::TracePhases(const Request* begin, const Request* end,
-                         std::initializer_list<Phase> phases) {
-  if (!timeline_.on() || phases.begin()->start == Timeline::Clock::time_point()) return;
-  for (const Request* req = begin; req != end; ++req) {
-    auto row = timeline_.Row(req->process_set, req->meta.name);
-    for (const Phase& p : phases) row.Nested(p.name, p.start, p.end);
-  }
-}
-
 void Executor::Complete(const Request& req, kr_status status, const std::string& message) {
-  if (!timeline_.on()) {
-    req.Complete(status, message);
-    return;
-  }
-  const auto start = Timeline::Clock::now();
+  const auto start = observers_.Now();
   req.Complete(status, message);
-  const auto end = Timeline::Clock::now();
-  auto row = timeline_.Row(req.process_set, req.meta.name);
-  row.Nested("DONE", start, end);
-  row.End(end);
+  observers_.Completed(req, start, observers_.Now());
 }
 
 void Executor::RunAllreduce(ProcessSet& set, const Request* begin, const Request* end) {
@@ -246,7 +204,7 @@ void Executor::RunAllreduce(ProcessSet& set, const Request* begin, const Request
   if (set.shm && !small) {
     // Inputs are copied straight into shared memory and results straight
     // out of it: no packing, fused or not.
-    const auto started = timeline_.Now();
+    const auto started = observers_.Now();
     HierarchicalAllreduceOptions o;
     ShmAllreduceOptions& host = o.host;
     host.spans.reserve(n);
@@ -262,9 +220,8 @@ void Executor::RunAllreduce(ProcessSet& set, const Request* begin, const Request
     if (params_.segment_bytes) o.cross_segment_bytes = params_.segment_bytes;
     o.cross_small_bytes = params_.small_allreduce_bytes;
     HierarchicalAllreduce(*set.shm, set.cross.get(), std::move(o));
-    TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
-    stats_.shm_collectives += 1;
-    if (set.cross) stats_.hierarchical_collectives += 1;
+    const auto path = set.cross ? Observer::Path::kHierarchical : Observer::Path::kSharedMemory;
+    observers_.Ran(begin, end, path, {{"COMMUNICATE", started, observers_.Now()}});
     return;
   }
   AllreduceOptions o;
@@ -276,29 +233,31 @@ void Executor::RunAllreduce(ProcessSet& set, const Request* begin, const Request
   if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
   if (n == 1 && m.wire_dtype == m.dtype) {
     const Request& req = *begin;
-    const auto started = timeline_.Now();
+    const auto started = observers_.Now();
     o.count = total;
     if (o.count && req.output != req.input) {
       std::memcpy(req.output, req.input, o.count * DataTypeSize(m.dtype));
     }
     o.buffer = req.output;
     Allreduce(*set.transport, o);
-    TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
+    observers_.Ran(begin, end, Observer::Path::kNetwork,
+                   {{"COMMUNICATE", started, observers_.Now()}});
     return;
   }
   // Fused or compressed: pack every input into one buffer (converting to
   // the wire dtype), reduce once, unpack. Packing is a copy either way:
   // unfused, each input is copied to its output first.
-  const auto packing = timeline_.Now();
+  const auto packing = observers_.Now();
   o.count = total;
   o.buffer = fusion_buffer_.Pack(begin, end);
-  const auto packed_at = timeline_.Now();
+  const auto packed_at = observers_.Now();
   Allreduce(*set.transport, o);
-  const auto reduced = timeline_.Now();
+  const auto reduced = observers_.Now();
   fusion_buffer_.Unpack(begin, end);
-  TracePhases(begin, end, {{"PACK", packing, packed_at},
-                           {"COMMUNICATE", packed_at, reduced},
-                           {"UNPACK", reduced, timeline_.Now()}});
+  observers_.Ran(begin, end, Observer::Path::kNetwork,
+                 {{"PACK", packing, packed_at},
+                  {"COMMUNICATE", packed_at, reduced},
+                  {"UNPACK", reduced, observers_.Now()}});
 }
 
 void Executor::RunBroadcast(ProcessSet& set, const Request& req) {

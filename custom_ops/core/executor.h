@@ -5,27 +5,19 @@
 // across hosts, or the network) and completes the requests.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
-#include <initializer_list>
 #include <unordered_map>
 #include <vector>
 
 #include "autotune.h"
 #include "fusion.h"
 #include "negotiation.h"
+#include "observer.h"
 #include "process_set.h"
 #include "request.h"
-#include "timeline.h"
 
 namespace keras_ring {
-
-// What kr_stats reports; framework threads read it while the loop counts.
-struct Stats {
-  std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0}, cached_tensors{0},
-      shm_collectives{0}, hierarchical_collectives{0};
-};
 
 class Executor {
  public:
@@ -33,9 +25,8 @@ class Executor {
   using AddSet = std::function<void(const std::vector<int>& ranks, int32_t* id)>;
   using RemoveSet = std::function<void(int32_t id)>;
   // `params` are read at each collective (the autotuner changes them).
-  Executor(const TunedParams& params, Timeline& timeline, Stats& stats, AddSet add_set,
-           RemoveSet remove_set)
-      : params_(params), timeline_(timeline), stats_(stats), add_set_(std::move(add_set)),
+  Executor(const TunedParams& params, Observers& observers, AddSet add_set, RemoveSet remove_set)
+      : params_(params), observers_(observers), add_set_(std::move(add_set)),
         remove_set_(std::move(remove_set)) {}
 
   // Runs the responses of the sets this rank is in. Throws EngineError (the
@@ -59,25 +50,15 @@ class Executor {
   // still takes part in the collective, and sets *failed.
   void* AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
                        std::vector<char>* scratch, bool* failed);
-  // The collective's span on each request's row, from the response's arrival.
-  void TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
-                    const std::vector<size_t>& ends, const Response& resp,
-                    Timeline::Clock::time_point started);
-  struct Phase {
-    const char* name;
-    Timeline::Clock::time_point start, end;  // start is zero if the timeline was off
-  };
-  void TracePhases(const Request* begin, const Request* end, std::initializer_list<Phase> phases);
-  // Completes the request, ending its span.
+  // Completes the request, telling the observers.
   void Complete(const Request& req, kr_status status, const std::string& message);
 
   const TunedParams& params_;
-  Timeline& timeline_;
-  Stats& stats_;
+  Observers& observers_;
   const AddSet add_set_;
   const RemoveSet remove_set_;
   FusionBuffer fusion_buffer_;
-  Timeline::Clock::time_point received_;  // when the response list being run arrived
+  Observer::Clock::time_point received_;  // when the response list being run arrived
 };
 
 }  // namespace keras_ring
