@@ -1,11 +1,7 @@
 #include "engine.h"
 
-#include <sched.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
-#include <random>
 #include <type_traits>
 #include <unordered_set>
 
@@ -45,22 +41,9 @@ void SetError(std::string* error, const std::string& message) {
   if (error) *error = message;
 }
 
-// Bytes of one shared-memory round (each rank maps two per member), when
-// KERAS_RING_SHM_SLOT_BYTES is 0 (auto). Measured (docs/performance.md):
-// with a core per rank, small rounds that stay in the caches win; with more
-// ranks than cores each round's two waits cost context switches, so fewer,
-// larger rounds win.
-constexpr size_t kShmSlotBytes = size_t(256) << 10;
-constexpr size_t kShmSlotBytesOversubscribed = size_t(4) << 20;
-// The largest round the autotuner tries.
+// The largest shared-memory round the autotuner tries.
 constexpr size_t kShmSlotBytesAutotune = size_t(4) << 20;
 
-// CPUs this process may run on.
-int UsableCpus() {
-  cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) return 1;
-  return CPU_COUNT(&cpus);
-}
 // How often an otherwise idle coordinator wakes to receive ready lists and
 // look for stalls: once a second costs nothing measurable.
 constexpr auto kStallTick = std::chrono::seconds(1);
@@ -77,11 +60,6 @@ constexpr int32_t kPingSet = -1;
 // one to fail first and name that rank (its pongs can lag by a ping interval
 // and a stall tick).
 constexpr auto kCoordinatorGrace = std::chrono::seconds(5);
-
-// The transports of process set `id` take the world's group ids 3 id (its
-// members), 3 id + 1 (its members on one host) and 3 id + 2 (its members of
-// one local rank, across hosts): never two alike among sets alive together.
-uint32_t GroupId(int32_t set, int kind) { return 3 * static_cast<uint32_t>(set) + kind; }
 
 // Why alltoall cannot split `rows` rows as asked, or "".
 std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int size) {
@@ -111,22 +89,6 @@ std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int si
            std::to_string(total) + ", the first dimension is " + std::to_string(rows);
   }
   return "";
-}
-
-// Of `ranks` (ascending), those on the host of `hosts[rank]`.
-std::vector<int> SameHost(const std::vector<int>& ranks, const std::vector<std::string>& hosts,
-                          int rank) {
-  std::vector<int> local;
-  for (int r : ranks) {
-    if (hosts[r] == hosts[rank]) local.push_back(r);
-  }
-  return local;
-}
-
-// Where `rank` stands in `ranks` (ascending); -1 if it is not there.
-int IndexOf(const std::vector<int>& ranks, int rank) {
-  const auto pos = std::lower_bound(ranks.begin(), ranks.end(), rank);
-  return pos != ranks.end() && *pos == rank ? static_cast<int>(pos - ranks.begin()) : -1;
 }
 
 std::string RankList(const std::vector<int>& ranks) {
@@ -176,20 +138,12 @@ void Engine::Start() {
   AllgatherBytes(*world.transport, mine.data(), kNameBytes, names.data());
   hosts_.clear();
   for (int r = 0; r < t.size; ++r) hosts_.emplace_back(names.data() + r * kNameBytes);
-  const std::vector<int> local = SameHost(world.ranks, hosts_, t.rank);
-  t.local_rank = IndexOf(local, t.rank);
-  t.local_size = static_cast<int>(local.size());
-  int min_local = t.size, max_local = 0;
-  std::vector<int> cross;  // the ranks of this local rank, one per host
-  for (int r = 0; r < t.size; ++r) {
-    const std::vector<int> theirs = SameHost(world.ranks, hosts_, r);
-    min_local = std::min(min_local, static_cast<int>(theirs.size()));
-    max_local = std::max(max_local, static_cast<int>(theirs.size()));
-    if (IndexOf(theirs, r) == t.local_rank) cross.push_back(r);
-  }
-  t.cross_rank = IndexOf(cross, t.rank);
-  t.cross_size = static_cast<int>(cross.size());
-  t.is_homogeneous = min_local == max_local;
+  const HostLayout layout(world.ranks, hosts_, t.rank);
+  t.local_rank = layout.local_rank;
+  t.local_size = static_cast<int>(layout.local.size());
+  t.cross_rank = IndexOf(layout.cross, t.rank);
+  t.cross_size = static_cast<int>(layout.cross.size());
+  t.is_homogeneous = layout.min_local == layout.max_local;
   t.mpi_threads_supported = world_->threads_supported();
   topology_ = t;
 
@@ -216,7 +170,7 @@ void Engine::Start() {
   if (coordinating_) {
     world.coordinator = std::make_unique<Coordinator>(world.size(), options_.cache_capacity);
   }
-  SetUpSharedMemory(world, 0);
+  SetUpSharedMemory(world, 0, *world_, hosts_, SharedMemory());
   if (autotune_ && coordinating_) {
     AutotuneOptions tuning = options_.tuning;
     // The crossover matters only where allreduces can go over the network.
@@ -787,11 +741,9 @@ void Engine::AddToCoordinator(int world_rank, ReadyList list) {
   // A set removed since the rank sent this: its requests have failed there.
   if (found == sets_.end()) return;
   ProcessSet& set = found->second;
-  const auto pos = std::lower_bound(set.ranks.begin(), set.ranks.end(), world_rank);
-  KR_CHECK(pos != set.ranks.end() && *pos == world_rank,
-           "rank " + std::to_string(world_rank) + " sent requests for process set " +
-               std::to_string(list.process_set) + ", which it is not in");
-  const int rank = static_cast<int>(pos - set.ranks.begin());
+  const int rank = IndexOf(set.ranks, world_rank);
+  KR_CHECK(rank >= 0, "rank " + std::to_string(world_rank) + " sent requests for process set " +
+                          std::to_string(list.process_set) + ", which it is not in");
   const size_t first_new = decided_.size();
   const auto now = Coordinator::Clock::now();
   for (auto& item : list.items) {
@@ -949,7 +901,7 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
   set.rank = IndexOf(ranks, topology_.rank);
   if (set.rank >= 0) {
     set.transport = world_->Connect(ranks, GroupId(*id, 0));
-    SetUpSharedMemory(set, *id);
+    SetUpSharedMemory(set, *id, *world_, hosts_, SharedMemory());
   }
   if (coordinating_) {
     set.coordinator = std::make_unique<Coordinator>(set.size(), options_.cache_capacity);
@@ -959,73 +911,14 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
   set_ranks_[*id] = ranks;
 }
 
-void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
-  if (!options_.shared_memory || set.size() < 2) return;
-  // The members on each host, from the host names agreed at start.
-  const std::vector<int> local = SameHost(set.ranks, hosts_, topology_.rank);
-  const int local_rank = IndexOf(local, topology_.rank);
-  const int local_size = static_cast<int>(local.size());
-  int min_local = set.size(), max_local = 0;
-  std::vector<int> cross;  // the members of this local rank, one per host
-  for (int r : set.ranks) {
-    const std::vector<int> theirs = SameHost(set.ranks, hosts_, r);
-    min_local = std::min(min_local, static_cast<int>(theirs.size()));
-    max_local = std::max(max_local, static_cast<int>(theirs.size()));
-    if (IndexOf(theirs, r) == local_rank) cross.push_back(r);
-  }
-  // Across hosts: hierarchical when every host holds the same number (> 1)
-  // of members, so that the blocks of each local rank line up across hosts.
-  const bool spans_hosts = local_size != set.size();
-  if (spans_hosts && !(options_.hierarchical && min_local == max_local && min_local > 1)) return;
-  // The slot size must agree across hosts too (the hierarchical blocks line
-  // up), and a host with more members than cores makes every member take
-  // small allreduces over the network: agreed over the whole set.
-  struct Wish {
-    uint64_t slot_bytes;
-    uint8_t oversubscribed;
-  } wish{options_.shm_slot_bytes, local_size > UsableCpus()};
-  std::vector<Wish> wishes(set.size());
-  AllgatherBytes(*set.transport, &wish, sizeof wish, wishes.data());
-  uint64_t slot_bytes = 0;
-  for (const Wish& w : wishes) {
-    set.shm_oversubscribed = set.shm_oversubscribed || w.oversubscribed;
-    slot_bytes = std::max(slot_bytes, w.slot_bytes);
-  }
-  if (slot_bytes == 0) slot_bytes = set.shm_oversubscribed ? kShmSlotBytesOversubscribed : kShmSlotBytes;
-  // Rounds are a slot unless KERAS_RING_SEGMENT_BYTES or the autotuner
-  // asks for smaller ones; the slots are made large enough for what they
-  // may ask.
-  set.shm_round_bytes = slot_bytes;
-  slot_bytes = std::max<uint64_t>(
-      {slot_bytes, params_.segment_bytes, autotune_ ? kShmSlotBytesAutotune : 0});
-  // Unique on the host: the first local member's pid (which lets a later job
-  // spot the segments of a crashed one) and a random number.
-  char key[64] = {};
-  if (local_rank == 0) {
-    const unsigned long long nonce =
-        (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
-    std::snprintf(key, sizeof key, "%dx%016llx-%d", static_cast<int>(getpid()), nonce, id);
-  }
-  {
-    std::unique_ptr<Transport> host = world_->Connect(local, GroupId(id, 1));
-    BroadcastOptions o;
-    o.buffer = key;
-    o.bytes = sizeof key;
-    Broadcast(*host, o);
-  }
-  // Agreed over the whole set: all hosts use shared memory, or none.
-  auto all_agree = [&](bool ok) { return AllAgree(*set.transport, ok); };
-  std::string why;
-  // Waiting in shared memory, the world moves its messages along (see
-  // World::Progress), so that control messages this rank has sent reach
-  // the ranks that need them before they can join.
-  set.shm = ShmGroup::Create(local_rank, local, key, slot_bytes, all_agree, &why,
-                             [this] { world_->Progress(); }, world_->timeout());
-  if (!set.shm && !why.empty()) {
-    Log(LogLevel::kWarning, "cannot use shared memory (" + why + "); process set " +
-                                std::to_string(id) + " allreduces over the network instead");
-  }
-  if (set.shm && spans_hosts) set.cross = world_->Connect(cross, GroupId(id, 2));
+SharedMemoryOptions Engine::SharedMemory() const {
+  SharedMemoryOptions o;
+  o.enabled = options_.shared_memory;
+  o.hierarchical = options_.hierarchical;
+  o.slot_bytes = options_.shm_slot_bytes;
+  o.largest_round = std::max<uint64_t>(params_.segment_bytes,
+                                       autotune_ ? kShmSlotBytesAutotune : 0);
+  return o;
 }
 
 void Engine::DestroyProcessSet(int32_t id) {

@@ -109,12 +109,8 @@ class Engine {
   // what is pending if it says a rank shut down.
   void Execute(ResponseList& list);
   void CreateProcessSet(const std::vector<int>& ranks, int32_t* id);
-  // Sets up the set's transports (this rank a member).
-  void Connect(ProcessSet& set, int32_t id);
-  // Collective over the set's members: maps the shared memory of the members
-  // on each host, if they are all on one host or (hierarchical) every host
-  // has the same number of them, and it is not turned off.
-  void SetUpSharedMemory(ProcessSet& set, int32_t id);
+  // What SetUpSharedMemory may do, from the settings.
+  SharedMemoryOptions SharedMemory() const;
   void DestroyProcessSet(int32_t id);
   bool InFlight() const;
   // Other ranks, after each pass (`heard`: it received rank 0's responses):

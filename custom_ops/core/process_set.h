@@ -12,6 +12,7 @@
 #include "request.h"
 #include "shm.h"
 #include "transport/transport.h"
+#include "transport/world.h"
 
 namespace keras_ring {
 
@@ -42,5 +43,42 @@ struct ProcessSet {
 
   int size() const { return static_cast<int>(ranks.size()); }
 };
+
+// The transports of process set `set` take the world's group ids 3 set (its
+// members), 3 set + 1 (its members on one host) and 3 set + 2 (its members of
+// one local rank, across hosts): never two alike among sets alive together.
+inline uint32_t GroupId(int32_t set, int kind) { return 3 * static_cast<uint32_t>(set) + kind; }
+
+// Where `rank` stands in `ranks` (ascending); -1 if it is not there.
+int IndexOf(const std::vector<int>& ranks, int rank);
+
+// How `ranks` (ascending) lie on their hosts, seen from `rank`, one of them;
+// `hosts` holds every world rank's host name.
+struct HostLayout {
+  HostLayout(const std::vector<int>& ranks, const std::vector<std::string>& hosts, int rank);
+
+  std::vector<int> local;  // the ranks on this rank's host
+  int local_rank = 0;      // this rank's place among them
+  std::vector<int> cross;  // the ranks of this local rank, one per host
+  int min_local = 0, max_local = 0;  // the fewest and most ranks a host holds
+};
+
+// What SetUpSharedMemory may do, from the engine's settings.
+struct SharedMemoryOptions {
+  bool enabled = true;
+  bool hierarchical = true;  // a set across hosts: shared memory within each
+  uint64_t slot_bytes = 0;   // this rank's wish; 0: the engine's choice
+  // The largest round that KERAS_RING_SEGMENT_BYTES or the autotuner may
+  // ask for: slots are made at least this large.
+  uint64_t largest_round = 0;
+};
+
+// Collective over the members of `set` (this rank one of them, its transport
+// connected): maps the shared memory of the members on each host, if they
+// are all on one host or (hierarchical) every host has the same number of
+// them, and links this member with those of its local rank on the other
+// hosts. Leaves set.shm null where shared memory cannot be used.
+void SetUpSharedMemory(ProcessSet& set, int32_t id, World& world,
+                       const std::vector<std::string>& hosts, const SharedMemoryOptions& o);
 
 }  // namespace keras_ring
