@@ -5,7 +5,6 @@
 // its World (MPI, in-process or TCP).
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -25,9 +24,7 @@
 #include "options.h"
 #include "process_set.h"
 #include "request.h"
-#include "shm.h"
 #include "timeline.h"
-#include "transport/transport.h"
 #include "transport/world.h"
 
 namespace keras_ring {
