@@ -1,18 +1,12 @@
 #include "engine.h"
 
-#include <sched.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
-#include <cstring>
-#include <functional>
-#include <numeric>
-#include <random>
 #include <type_traits>
 #include <unordered_set>
 
 #include "algorithms.h"
+#include "fusion.h"
 #include "log.h"
 #include "reduce.h"
 
@@ -43,32 +37,13 @@ std::chrono::microseconds PollSleep(int idle_passes) {
   return std::min(kMaxPollSleep, std::chrono::microseconds(10) * (1 << doublings));
 }
 
-size_t ElementCount(const std::vector<int64_t>& shape, size_t first = 0) {
-  size_t n = 1;
-  for (size_t i = first; i < shape.size(); ++i) n *= static_cast<size_t>(shape[i]);
-  return n;
-}
-
 void SetError(std::string* error, const std::string& message) {
   if (error) *error = message;
 }
 
-// Bytes of one shared-memory round (each rank maps two per member), when
-// KERAS_RING_SHM_SLOT_BYTES is 0 (auto). Measured (docs/performance.md):
-// with a core per rank, small rounds that stay in the caches win; with more
-// ranks than cores each round's two waits cost context switches, so fewer,
-// larger rounds win.
-constexpr size_t kShmSlotBytes = size_t(256) << 10;
-constexpr size_t kShmSlotBytesOversubscribed = size_t(4) << 20;
-// The largest round the autotuner tries.
+// The largest shared-memory round the autotuner tries.
 constexpr size_t kShmSlotBytesAutotune = size_t(4) << 20;
 
-// CPUs this process may run on.
-int UsableCpus() {
-  cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) return 1;
-  return CPU_COUNT(&cpus);
-}
 // How often an otherwise idle coordinator wakes to receive ready lists and
 // look for stalls: once a second costs nothing measurable.
 constexpr auto kStallTick = std::chrono::seconds(1);
@@ -85,11 +60,6 @@ constexpr int32_t kPingSet = -1;
 // one to fail first and name that rank (its pongs can lag by a ping interval
 // and a stall tick).
 constexpr auto kCoordinatorGrace = std::chrono::seconds(5);
-
-// The transports of process set `id` take the world's group ids 3 id (its
-// members), 3 id + 1 (its members on one host) and 3 id + 2 (its members of
-// one local rank, across hosts): never two alike among sets alive together.
-uint32_t GroupId(int32_t set, int kind) { return 3 * static_cast<uint32_t>(set) + kind; }
 
 // Why alltoall cannot split `rows` rows as asked, or "".
 std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int size) {
@@ -121,22 +91,6 @@ std::string CheckSplits(const std::vector<int64_t>& splits, int64_t rows, int si
   return "";
 }
 
-// Of `ranks` (ascending), those on the host of `hosts[rank]`.
-std::vector<int> SameHost(const std::vector<int>& ranks, const std::vector<std::string>& hosts,
-                          int rank) {
-  std::vector<int> local;
-  for (int r : ranks) {
-    if (hosts[r] == hosts[rank]) local.push_back(r);
-  }
-  return local;
-}
-
-// Where `rank` stands in `ranks` (ascending); -1 if it is not there.
-int IndexOf(const std::vector<int>& ranks, int rank) {
-  const auto pos = std::lower_bound(ranks.begin(), ranks.end(), rank);
-  return pos != ranks.end() && *pos == rank ? static_cast<int>(pos - ranks.begin()) : -1;
-}
-
 std::string RankList(const std::vector<int>& ranks) {
   std::string listed;
   for (int r : ranks) listed += (listed.empty() ? "" : ", ") + std::to_string(r);
@@ -146,7 +100,12 @@ std::string RankList(const std::vector<int>& ranks) {
 }  // namespace
 
 Engine::Engine(EngineOptions options, std::unique_ptr<World> world)
-    : options_(std::move(options)), world_(std::move(world)) {
+    : options_(std::move(options)),
+      world_(std::move(world)),
+      executor_(
+          params_, observers_,
+          [this](const std::vector<int>& ranks, int32_t* id) { CreateProcessSet(ranks, id); },
+          [this](int32_t id) { DestroyProcessSet(id); }) {
   Start();
 }
 
@@ -165,6 +124,7 @@ void Engine::Start() {
   t.rank = world_->rank();
   t.size = world_->size();
   SetLogRank(t.rank);
+  const ThreadLogRank log_rank(t.rank);
   ProcessSet& world = sets_[0];
   for (int r = 0; r < t.size; ++r) world.ranks.push_back(r);
   world.rank = t.rank;
@@ -178,20 +138,12 @@ void Engine::Start() {
   AllgatherBytes(*world.transport, mine.data(), kNameBytes, names.data());
   hosts_.clear();
   for (int r = 0; r < t.size; ++r) hosts_.emplace_back(names.data() + r * kNameBytes);
-  const std::vector<int> local = SameHost(world.ranks, hosts_, t.rank);
-  t.local_rank = IndexOf(local, t.rank);
-  t.local_size = static_cast<int>(local.size());
-  int min_local = t.size, max_local = 0;
-  std::vector<int> cross;  // the ranks of this local rank, one per host
-  for (int r = 0; r < t.size; ++r) {
-    const std::vector<int> theirs = SameHost(world.ranks, hosts_, r);
-    min_local = std::min(min_local, static_cast<int>(theirs.size()));
-    max_local = std::max(max_local, static_cast<int>(theirs.size()));
-    if (IndexOf(theirs, r) == t.local_rank) cross.push_back(r);
-  }
-  t.cross_rank = IndexOf(cross, t.rank);
-  t.cross_size = static_cast<int>(cross.size());
-  t.is_homogeneous = min_local == max_local;
+  const HostLayout layout(world.ranks, hosts_, t.rank);
+  t.local_rank = layout.local_rank;
+  t.local_size = static_cast<int>(layout.local.size());
+  t.cross_rank = IndexOf(layout.cross, t.rank);
+  t.cross_size = static_cast<int>(layout.cross.size());
+  t.is_homogeneous = layout.min_local == layout.max_local;
   t.mpi_threads_supported = world_->threads_supported();
   topology_ = t;
 
@@ -218,7 +170,7 @@ void Engine::Start() {
   if (coordinating_) {
     world.coordinator = std::make_unique<Coordinator>(world.size(), options_.cache_capacity);
   }
-  SetUpSharedMemory(world, 0);
+  SetUpSharedMemory(world, 0, *world_, hosts_, SharedMemory());
   if (autotune_ && coordinating_) {
     AutotuneOptions tuning = options_.tuning;
     // The crossover matters only where allreduces can go over the network.
@@ -228,7 +180,6 @@ void Engine::Start() {
   }
   set_ranks_ = {{0, world.ranks}};
   running_ = true;
-  stopped_why_ = "keras-ring has been shut down";
   thread_ = std::thread(&Engine::Loop, this);
   KR_LOG(kInfo, "engine started: rank " + std::to_string(t.rank) + " of " +
                     std::to_string(t.size) + ", " + params_.Describe() + ", cache capacity " +
@@ -283,7 +234,7 @@ kr_status Engine::Shutdown(std::string* error) {
   stopped_ = {};
   sets_.clear();
   set_ranks_.clear();
-  std::vector<char>().swap(fusion_buffer_);
+  executor_.Release();
   SetError(error, "");
   return KR_OK;
 }
@@ -358,7 +309,7 @@ kr_status Engine::Prepare(const kr_request& r, Request* out) {
   req.done = r.done;
   req.ctx = r.ctx;
   req.process_set = r.process_set;
-  if (timeline_.on()) req.submitted = Timeline::Clock::now();
+  req.submitted = observers_.Now();
   return KR_OK;
 }
 
@@ -418,9 +369,9 @@ kr_status Engine::Enqueue(const kr_request* requests, int n, bool wake, const ch
     for (const Request& req : prepared) req.Complete(s, why + " (tensor '" + req.meta.name + "')");
     return s;
   };
-  if (!stopped_.second.empty()) {
+  if (!stopped_.why.empty()) {
     // The engine stopped by itself: say why, until shutdown() or init().
-    return refuse_all(stopped_.first, stopped_.second);
+    return refuse_all(stopped_.status, stopped_.why);
   }
   if (!running_ || shutdown_requested_) {
     return refuse_all(KR_NOT_INITIALIZED, "keras-ring is not initialised (call init() first) "
@@ -466,15 +417,6 @@ std::string RepeatedMember(const Request& req) {
     if (!names.insert(m.meta.name).second) return m.meta.name;
   }
   return "";
-}
-
-// Fills in a group's description of its members, to be sent or cached.
-void DescribeMembers(Request* req) {
-  if (!req->group || req->meta.members) return;
-  auto members = std::make_shared<std::vector<TensorMeta>>();
-  members->reserve(req->members.size());
-  for (const Request& m : req->members) members->push_back(m.meta);
-  req->meta.members = std::move(members);
 }
 
 }  // namespace
@@ -524,9 +466,10 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
   list.process_set = req.process_set;
   ReadyList::Item item;
   auto cached = set.cache_ids.find(name);
-  if (cached != set.cache_ids.end() && SameAsCached(set.cached[cached->second], req)) {
+  const bool by_id =
+      cached != set.cache_ids.end() && SameAsCached(set.cached[cached->second], req);
+  if (by_id) {
     item.cache_id = cached->second;
-    stats_.cached_tensors += req.group ? req.members.size() : 1;
   } else {
     // A group described in full has new members: their names must be unique
     // (a cached group's were checked when it was described).
@@ -536,21 +479,13 @@ bool Engine::Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready) 
       req.Complete(KR_INVALID_ARGUMENT, "keras-ring: invalid group '" + name + "': " + m.error);
       req.members.clear();
     }
-    DescribeMembers(&req);
+    req.DescribeMembers();
     item.meta = m;
   }
   KR_LOG(kTrace, "submitted tensor '" + name + "' (" + m.Describe() + ")" +
-                     (item.cache_id >= 0 ? " by cache id" : ""));
+                     (by_id ? " by cache id" : ""));
   list.items.push_back(std::move(item));
-  if (timeline_.on()) {
-    const bool since_submission = req.submitted != Timeline::Clock::time_point();
-    const auto begin = since_submission ? req.submitted : Timeline::Clock::now();
-    // A group's members have a row each, as they would alone.
-    if (!req.group) timeline_.Row(req.process_set, name).Begin("NEGOTIATE", begin);
-    for (const Request& member : req.members) {
-      timeline_.Row(req.process_set, member.meta.name).Begin("NEGOTIATE", begin);
-    }
-  }
+  observers_.Negotiating(req, by_id);
   set.joined = set.joined || m.collective == Collective::kJoin;
   set.pending.emplace(name, std::move(req));
   return true;
@@ -644,8 +579,10 @@ bool Engine::Step(bool* progress) {
   struct Clear {
     ~Clear() { running_pass = nullptr; }
   } clear;
+  const ThreadLogRank log_rank(topology_.rank);
   try {
-    if (Pass(progress)) return true;
+    const int shut_down_by = Pass(progress);
+    if (shut_down_by < 0) return true;
     // Every rank sends the coordinator exactly one shutdown message (its own
     // request, or this acknowledgement) and the coordinator waits for all of
     // them, so no control message is left behind on the communicator.
@@ -657,7 +594,12 @@ bool Engine::Step(bool* progress) {
     }
     if (coordinating_) AwaitShutdowns();
     world_->Flush();
-    StopAccepting(KR_NOT_INITIALIZED, stopped_why_);
+    StopAccepting(KR_NOT_INITIALIZED,
+                  shut_down_by == topology_.rank
+                      ? "keras-ring has been shut down"
+                      : "keras-ring: rank " + std::to_string(shut_down_by) +
+                            " shut down (shutdown() or its process exiting), which stops the "
+                            "engine of every rank; init() starts it again");
   } catch (const std::exception& e) {
     // The ranks can no longer be assumed to be in step: fail everything, tell
     // the others, and refuse new work until shutdown() (which returns at
@@ -670,7 +612,7 @@ bool Engine::Step(bool* progress) {
   return false;
 }
 
-bool Engine::Pass(bool* progress) {
+int Engine::Pass(bool* progress) {
   std::deque<Request> fresh;
   bool shutdown;
   {
@@ -698,28 +640,18 @@ bool Engine::Pass(bool* progress) {
       for (int r = 0; r < topology_.size && !coordinating_; ++r) {
         if (r != kCoordinator && r != topology_.rank) world_->Release(r);
       }
-      if (list.shutdown_rank != topology_.rank) {
-        stopped_why_ = "keras-ring: rank " + std::to_string(list.shutdown_rank) +
-                       " shut down (shutdown() or its process exiting), which stops the engine "
-                       "of every rank; init() starts it again";
-      }
-      return false;
+      return list.shutdown_rank;
     }
   }
   if (!coordinating_) CheckCoordinator(got);
-  if (*progress && timeline_.mark_cycles()) {
-    timeline_.Mark("CYCLE", Timeline::Clock::now(),
-                   std::make_shared<const std::string>(
-                       "\"submitted\":" + std::to_string(fresh.size()) + ",\"responses\":" +
-                       std::to_string(got ? list.responses.size() : 0)));
-  }
+  if (*progress) observers_.Cycle(fresh.size(), got ? list.responses.size() : 0);
   const bool in_flight = InFlight() || shutdown_sent_ || CoordinatorBusy();
   std::lock_guard<std::mutex> lock(mu_);
   pace_.in_flight = in_flight;
   pace_.outside_a_set = OutsideASet();
   pace_.shutdown_sent = shutdown_sent_;
   pace_.idle_passes = *progress ? 0 : pace_.idle_passes + 1;
-  return true;
+  return -1;
 }
 
 void Engine::CheckCoordinator(bool heard) {
@@ -809,11 +741,9 @@ void Engine::AddToCoordinator(int world_rank, ReadyList list) {
   // A set removed since the rank sent this: its requests have failed there.
   if (found == sets_.end()) return;
   ProcessSet& set = found->second;
-  const auto pos = std::lower_bound(set.ranks.begin(), set.ranks.end(), world_rank);
-  KR_CHECK(pos != set.ranks.end() && *pos == world_rank,
-           "rank " + std::to_string(world_rank) + " sent requests for process set " +
-               std::to_string(list.process_set) + ", which it is not in");
-  const int rank = static_cast<int>(pos - set.ranks.begin());
+  const int rank = IndexOf(set.ranks, world_rank);
+  KR_CHECK(rank >= 0, "rank " + std::to_string(world_rank) + " sent requests for process set " +
+                          std::to_string(list.process_set) + ", which it is not in");
   const size_t first_new = decided_.size();
   const auto now = Coordinator::Clock::now();
   for (auto& item : list.items) {
@@ -929,107 +859,9 @@ bool Engine::ReceiveResponses(ResponseList* out) {
   return true;
 }
 
-namespace {
-
-// What a joined rank runs in place of a request it never made: zeros in,
-// whatever comes back is dropped.
-struct StandIn {
-  std::vector<char> input, output;
-  size_t element_bytes = 1;
-
-  static void* Allocate(void* ctx, int ndim, const int64_t* shape) {
-    auto* self = static_cast<StandIn*>(ctx);
-    self->output.resize(ElementCount(std::vector<int64_t>(shape, shape + ndim)) *
-                        self->element_bytes);
-    return self->output.data();
-  }
-  static void Done(void*, kr_status, const char*) {}
-
-  // A request of `meta`'s description that this stand-in serves.
-  static Request For(const TensorMeta& meta, std::vector<std::unique_ptr<StandIn>>* keep) {
-    auto s = std::make_unique<StandIn>();
-    Request req;
-    req.meta = meta;
-    if (req.meta.collective == Collective::kAllgather) req.meta.shape[0] = 0;
-    s->element_bytes = DataTypeSize(req.meta.dtype);
-    s->input.assign(ElementCount(req.meta.shape) * s->element_bytes, 0);
-    s->output.resize(s->input.size());
-    req.input = s->input.data();
-    req.output = s->output.data();
-    req.allocate_output = &StandIn::Allocate;
-    req.done = &StandIn::Done;
-    req.ctx = s.get();
-    keep->push_back(std::move(s));
-    return req;
-  }
-};
-
-}  // namespace
-
 void Engine::Execute(ResponseList& list) {
-  received_ = timeline_.Now();
   if (list.params) Apply(*list.params, list.tuned);
-  for (Response& resp : list.responses) {
-    auto found = sets_.find(resp.process_set);
-    // A list may mix sets: run those this rank is in (a removed set has
-    // failed its requests already).
-    if (found == sets_.end() || found->second.rank < 0) continue;
-    ProcessSet& set = found->second;
-    std::vector<Request> requests;
-    std::vector<std::unique_ptr<StandIn>> stand_ins;
-    try {
-      for (size_t i = 0; i < resp.names.size(); ++i) {
-        const int32_t id = resp.cache_ids[i];
-        if (resp.cached) {
-          KR_CHECK(id >= 0 && size_t(id) < set.cached.size(),
-                   "unknown cache id " + std::to_string(id));
-          resp.names[i] = set.cached[id].name;
-        }
-        const std::string& name = resp.names[i];
-        auto it = set.pending.find(name);
-        if (it == set.pending.end() && !resp.error.empty()) continue;  // stalled elsewhere
-        // Stalled without this rank: the request of this name it has here
-        // reached the coordinator after the decision (or is still on its
-        // way), which waits on it as a new one; failing it here would leave
-        // the coordinator pairing it with another rank's next request of
-        // the name, run with this rank's next buffer.
-        if (!resp.error.empty() && !resp.rows.empty() &&
-            (size_t(set.rank) >= resp.rows.size() || !resp.rows[set.rank])) {
-          continue;
-        }
-        if (it == set.pending.end() && set.joined && resp.send_metas) {
-          const TensorMeta& meta = resp.metas[i];
-          if (!meta.members) {
-            requests.push_back(StandIn::For(meta, &stand_ins));
-            continue;
-          }
-          for (const TensorMeta& m : *meta.members) requests.push_back(StandIn::For(m, &stand_ins));
-          continue;
-        }
-        KR_CHECK(it != set.pending.end(), "the coordinator scheduled tensor '" + name +
-                                              "', which this rank has not submitted");
-        Request& req = it->second;
-        // A new cache entry: remember this rank's request under the id.
-        if (id >= 0 && !resp.cached) {
-          if (set.cached.size() <= size_t(id)) set.cached.resize(id + 1);
-          DescribeMembers(&req);
-          set.cached[id] = req.meta;
-          set.cache_ids[name] = id;
-        }
-        if (req.group) {
-          for (Request& m : req.members) requests.push_back(std::move(m));
-        } else {
-          requests.push_back(std::move(req));
-        }
-        set.pending.erase(it);
-      }
-    } catch (const std::exception& e) {
-      // Requests taken out of `pending` must still complete.
-      for (const Request& req : requests) req.Complete(KR_INTERNAL, e.what());
-      throw;
-    }
-    Run(set, requests, resp);
-  }
+  executor_.Execute(list, sets_);
   if (list.shutdown_rank >= 0) {
     const std::string who = "keras-ring: rank " + std::to_string(list.shutdown_rank);
     FailAll(KR_ABORTED,
@@ -1043,126 +875,6 @@ void Engine::Execute(ResponseList& list) {
   }
 }
 
-void Engine::Run(ProcessSet& set, std::vector<Request>& requests, const Response& resp) {
-  const auto started = timeline_.Now();
-  // Where each collective's requests end: allreduces (a group's members,
-  // fused tensors) may take several.
-  std::vector<size_t> ends = {requests.size()};
-  if (resp.error.empty() && !requests.empty() &&
-      requests[0].meta.collective == Collective::kAllreduce) {
-    ends = PlanAllreduces(&requests);
-  }
-  // A stalled tensor's error reaches ranks that never submitted it: no requests.
-  if (timeline_.on() && !requests.empty()) TraceRunning(set, requests, ends, resp, started);
-  set.collectives_run += ends.size();
-  if (!resp.error.empty()) {
-    for (const Request& req : requests) {
-      if (req.meta.collective == Collective::kJoin) set.joined = false;
-      Complete(req, resp.status, resp.error);
-    }
-    return;
-  }
-  if (requests.empty()) return;  // a group of this rank's whose every member was refused
-  bool ok = true;
-  try {
-    switch (requests[0].meta.collective) {
-      case Collective::kAllreduce:
-        for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
-          RunAllreduce(set, requests.data() + begin, requests.data() + ends[k]);
-          if (ends[k] - begin > 1) stats_.fused_tensors += ends[k] - begin;
-        }
-        break;
-      case Collective::kBroadcast:
-        RunBroadcast(set, requests[0]);
-        break;
-      case Collective::kAllgather:
-        ok = RunAllgather(set, requests[0], resp);
-        break;
-      case Collective::kReducescatter:
-        ok = RunReducescatter(set, requests[0]);
-        break;
-      case Collective::kAlltoall:
-        ok = RunAlltoall(set, requests[0], resp);
-        break;
-      case Collective::kJoin: {
-        // The last rank to join, as a rank of the set.
-        const int32_t last = static_cast<int32_t>(resp.rows[0]);
-        std::memcpy(requests[0].output, &last, sizeof last);
-        set.joined = false;
-        break;
-      }
-      case Collective::kAddProcessSet: {
-        const TensorMeta& m = requests[0].meta;
-        CreateProcessSet(std::vector<int>(m.splits.begin(), m.splits.end()),
-                         static_cast<int32_t*>(requests[0].output));
-        break;
-      }
-      case Collective::kRemoveProcessSet:
-        DestroyProcessSet(static_cast<int32_t>(requests[0].meta.splits[0]));
-        break;
-    }
-  } catch (const std::exception& e) {
-    for (const Request& req : requests) {
-      Complete(req, KR_INTERNAL, std::string(e.what()) + " (tensor '" + req.meta.name + "')");
-    }
-    throw;
-  }
-  // Allreduces record their own phases.
-  if (requests[0].meta.collective != Collective::kAllreduce) {
-    TracePhases(requests.data(), requests.data() + 1,
-                {{"COMMUNICATE", started, timeline_.Now()}});
-  }
-  stats_.collectives += ends.size();
-  stats_.tensors += requests.size();
-  if (!ok) return;
-  for (const Request& req : requests) Complete(req, KR_OK, "");
-}
-
-void Engine::TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
-                          const std::vector<size_t>& ends, const Response& resp,
-                          Timeline::Clock::time_point started) {
-  const auto arrived = received_ == Timeline::Clock::time_point() ? started : received_;
-  const char* span = CollectiveName(requests[0].meta.collective);  // written in capitals
-  for (size_t k = 0, begin = 0; k < ends.size(); begin = ends[k++]) {
-    size_t bytes = 0;
-    for (size_t i = begin; i < ends[k]; ++i) bytes += Bytes(requests[i].meta);
-    // Every member counts the set's collectives alike: tensors with the
-    // same group ran fused, on every rank.
-    const auto args = std::make_shared<const std::string>(
-        "\"group\":" + std::to_string(set.collectives_run + k) + ",\"tensors\":" +
-        std::to_string(ends[k] - begin) + ",\"bytes\":" + std::to_string(bytes) +
-        (resp.error.empty() ? "" : ",\"error\":" + Timeline::Quote(resp.error)));
-    for (size_t i = begin; i < ends[k]; ++i) {
-      auto row = timeline_.Row(requests[i].process_set, requests[i].meta.name);
-      row.End(arrived);  // NEGOTIATE
-      row.Begin(span, arrived, args);
-      row.Nested("QUEUE", arrived, started);
-    }
-  }
-}
-
-void Engine::TracePhases(const Request* begin, const Request* end,
-                         std::initializer_list<Phase> phases) {
-  if (!timeline_.on() || phases.begin()->start == Timeline::Clock::time_point()) return;
-  for (const Request* req = begin; req != end; ++req) {
-    auto row = timeline_.Row(req->process_set, req->meta.name);
-    for (const Phase& p : phases) row.Nested(p.name, p.start, p.end);
-  }
-}
-
-void Engine::Complete(const Request& req, kr_status status, const std::string& message) {
-  if (!timeline_.on()) {
-    req.Complete(status, message);
-    return;
-  }
-  const auto start = Timeline::Clock::now();
-  req.Complete(status, message);
-  const auto end = Timeline::Clock::now();
-  auto row = timeline_.Row(req.process_set, req.meta.name);
-  row.Nested("DONE", start, end);
-  row.End(end);
-}
-
 kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::string* error) {
   if (!initialized()) {
     SetError(error, "keras-ring is not initialised: call init() before start_timeline()");
@@ -1171,238 +883,6 @@ kr_status Engine::StartTimeline(const std::string& path, bool mark_cycles, std::
   if (!timeline_.Start(path, topology_.rank, mark_cycles, error)) return KR_INVALID_ARGUMENT;
   KR_LOG(kInfo, "recording the timeline into " + path);
   return KR_OK;
-}
-
-std::vector<size_t> Engine::PlanAllreduces(std::vector<Request>* requests) const {
-  // Alike tensors (dtype, op, scale factors, compression) together, in the
-  // order their kinds first appear and, within a kind, in submission order;
-  // then cut where the next tensor would take a collective past the fusion
-  // threshold (a larger tensor alone; threshold 0: each alone). Every rank
-  // has the same requests in the same order and the same settings (rank
-  // 0's), so every rank plans the same collectives.
-  if (requests->size() == 1) return {1};  // the common case, without allocating
-  std::vector<const TensorMeta*> kinds;
-  std::vector<size_t> kind(requests->size());
-  for (size_t i = 0; i < requests->size(); ++i) {
-    const TensorMeta& m = (*requests)[i].meta;
-    size_t k = 0;
-    while (k < kinds.size() && !SameReduction(*kinds[k], m)) ++k;
-    if (k == kinds.size()) kinds.push_back(&m);
-    kind[i] = k;
-  }
-  if (kinds.size() > 1) {
-    std::vector<size_t> order(requests->size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return kind[a] < kind[b]; });
-    std::vector<Request> sorted;
-    sorted.reserve(order.size());
-    for (size_t i : order) sorted.push_back(std::move((*requests)[i]));
-    *requests = std::move(sorted);
-    std::sort(kind.begin(), kind.end());  // the kinds in their new order
-  }
-  std::vector<size_t> ends;
-  size_t bytes = 0;
-  for (size_t i = 0; i < requests->size(); ++i) {
-    const size_t more = Bytes((*requests)[i].meta);
-    const bool fits = i > 0 && kind[i] == kind[i - 1] && params_.fusion_threshold > 0 &&
-                      bytes + more <= params_.fusion_threshold;
-    if (i > 0 && !fits) ends.push_back(i);
-    bytes = fits ? bytes + more : more;
-  }
-  ends.push_back(requests->size());
-  return ends;
-}
-
-void Engine::RunAllreduce(ProcessSet& set, const Request* begin, const Request* end) {
-  const TensorMeta& m = begin->meta;
-  const size_t n = end - begin;
-  size_t total = 0;  // elements of all the requests
-  for (const Request* req = begin; req != end; ++req) total += ElementCount(req->meta.shape);
-  // With more ranks than cores, a shared-memory allreduce waits for ranks
-  // that are not running; recursive doubling over the network is faster for small ones
-  // (measured: 3 ranks on 2 cores, 4 KiB: 0.07 ms against 0.62 ms).
-  const bool small =
-      set.shm_oversubscribed && total * DataTypeSize(m.wire_dtype) <= params_.small_allreduce_bytes;
-  if (set.shm && !small) {
-    // Inputs are copied straight into shared memory and results straight
-    // out of it: no packing, fused or not.
-    const auto started = timeline_.Now();
-    ShmAllreduceOptions o;
-    o.spans.reserve(n);
-    for (const Request* req = begin; req != end; ++req) {
-      o.spans.push_back({req->input, req->output, ElementCount(req->meta.shape)});
-    }
-    o.dtype = m.dtype;
-    if (m.wire_dtype != m.dtype) o.wire_dtype = m.wire_dtype;
-    o.op = m.op;
-    o.prescale_factor = m.prescale_factor;
-    o.postscale_factor = m.postscale_factor;
-    o.round_bytes = params_.segment_bytes ? params_.segment_bytes : set.shm_round_bytes;
-    if (set.cross) {
-      // Hierarchical: each local rank's reduced block is reduced across
-      // hosts with the ranks of the same local rank, then shared locally.
-      o.op = SumForAverage(o.op, set.size(), &o.postscale_factor);
-      o.combine = [&](void* block, size_t count) {
-        AllreduceOptions cross;
-        cross.buffer = block;
-        cross.count = count;
-        cross.dtype = m.wire_dtype;
-        cross.op = o.op;
-        cross.small_bytes = params_.small_allreduce_bytes;
-        if (params_.segment_bytes) cross.segment_bytes = params_.segment_bytes;
-        Allreduce(*set.cross, cross);
-      };
-    }
-    set.shm->Allreduce(o);
-    TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
-    stats_.shm_collectives += 1;
-    if (set.cross) stats_.hierarchical_collectives += 1;
-    return;
-  }
-  AllreduceOptions o;
-  o.dtype = m.wire_dtype;
-  o.op = m.op;
-  o.prescale_factor = m.prescale_factor;
-  o.postscale_factor = m.postscale_factor;
-  o.small_bytes = params_.small_allreduce_bytes;
-  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
-  if (n == 1 && m.wire_dtype == m.dtype) {
-    const Request& req = *begin;
-    const auto started = timeline_.Now();
-    o.count = total;
-    if (o.count && req.output != req.input) {
-      std::memcpy(req.output, req.input, o.count * DataTypeSize(m.dtype));
-    }
-    o.buffer = req.output;
-    Allreduce(*set.transport, o);
-    TracePhases(begin, end, {{"COMMUNICATE", started, timeline_.Now()}});
-    return;
-  }
-  // Fused or compressed: pack every input into one buffer (converting to
-  // the wire dtype), reduce once, unpack. Packing is a copy either way:
-  // unfused, each input is copied to its output first.
-  const size_t esize = DataTypeSize(m.wire_dtype);
-  const auto packing = timeline_.Now();
-  o.count = total;
-  if (fusion_buffer_.size() < o.count * esize) fusion_buffer_.resize(o.count * esize);
-  char* packed = fusion_buffer_.data();
-  for (const Request* req = begin; req != end; ++req) {
-    const size_t count = ElementCount(req->meta.shape);
-    CopyElements(packed, m.wire_dtype, req->input, m.dtype, count);
-    packed += count * esize;
-  }
-  o.buffer = fusion_buffer_.data();
-  const auto packed_at = timeline_.Now();
-  Allreduce(*set.transport, o);
-  const auto reduced = timeline_.Now();
-  packed = fusion_buffer_.data();
-  for (const Request* req = begin; req != end; ++req) {
-    const size_t count = ElementCount(req->meta.shape);
-    CopyElements(req->output, m.dtype, packed, m.wire_dtype, count);
-    packed += count * esize;
-  }
-  TracePhases(begin, end, {{"PACK", packing, packed_at},
-                           {"COMMUNICATE", packed_at, reduced},
-                           {"UNPACK", reduced, timeline_.Now()}});
-}
-
-void Engine::RunBroadcast(ProcessSet& set, const Request& req) {
-  const TensorMeta& m = req.meta;
-  const size_t bytes = ElementCount(m.shape) * DataTypeSize(m.dtype);
-  if (bytes && set.rank == m.root_rank && req.output != req.input) {
-    std::memcpy(req.output, req.input, bytes);
-  }
-  BroadcastOptions o;
-  o.buffer = req.output;
-  o.bytes = bytes;
-  o.root = m.root_rank;
-  Broadcast(*set.transport, o);
-}
-
-void* Engine::AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
-                             std::vector<char>* scratch, bool* failed) {
-  const size_t bytes = ElementCount(shape) * DataTypeSize(req.meta.dtype);
-  void* out = req.allocate_output(req.ctx, static_cast<int>(shape.size()), shape.data());
-  // NULL is a failure only when there are bytes to hold (an empty tensor may
-  // have no buffer). Without an output this rank must still take part, or the
-  // others hang.
-  *failed = !out && bytes > 0;
-  if (!*failed) return out;
-  scratch->resize(bytes);
-  Complete(req, KR_INTERNAL, std::string("keras-ring: could not allocate the output of ") +
-                                 CollectiveName(req.meta.collective) + " for tensor '" +
-                                 req.meta.name + "'");
-  return scratch->data();
-}
-
-bool Engine::RunAllgather(ProcessSet& set, const Request& req, const Response& resp) {
-  const TensorMeta& m = req.meta;
-  const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
-  std::vector<int64_t> out_shape = m.shape;
-  out_shape[0] = std::accumulate(resp.rows.begin(), resp.rows.end(), int64_t{0});
-  AllgatherOptions o;
-  for (int64_t d : resp.rows) o.block_bytes.push_back(static_cast<size_t>(d) * row_bytes);
-  o.input = req.input;
-  std::vector<char> scratch;
-  bool failed;
-  o.output = AllocateOutput(req, out_shape, &scratch, &failed);
-  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
-  RingAllgather(*set.transport, o);
-  return !failed;
-}
-
-bool Engine::RunReducescatter(ProcessSet& set, const Request& req) {
-  const TensorMeta& m = req.meta;
-  const int p = set.size();
-  const size_t row_elements = ElementCount(m.shape, 1);
-  const size_t esize = DataTypeSize(m.wire_dtype);
-  const int r = set.rank;
-  auto rows = [&](int rank) { return m.shape[0] / p + (rank < m.shape[0] % p); };
-  ReduceScatterOptions o;
-  for (int i = 0; i < p; ++i) o.counts.push_back(rows(i) * row_elements);
-  // The algorithm works in place over the whole input: use the fusion buffer.
-  const size_t total = ElementCount(m.shape);
-  if (fusion_buffer_.size() < total * esize) fusion_buffer_.resize(total * esize);
-  CopyElements(fusion_buffer_.data(), m.wire_dtype, req.input, m.dtype, total);
-  o.buffer = fusion_buffer_.data();
-  o.dtype = m.wire_dtype;
-  o.op = m.op;
-  o.prescale_factor = m.prescale_factor;
-  o.postscale_factor = m.postscale_factor;
-  if (params_.segment_bytes) o.segment_bytes = params_.segment_bytes;
-  RingReduceScatter(*set.transport, o);
-  std::vector<int64_t> out_shape = m.shape;
-  out_shape[0] = rows(r);
-  std::vector<char> scratch;
-  bool failed;
-  void* out = AllocateOutput(req, out_shape, &scratch, &failed);
-  const size_t before = std::accumulate(o.counts.begin(), o.counts.begin() + r, size_t{0});
-  CopyElements(out, m.dtype, fusion_buffer_.data() + before * esize, m.wire_dtype, o.counts[r]);
-  return !failed;
-}
-
-bool Engine::RunAlltoall(ProcessSet& set, const Request& req, const Response& resp) {
-  const TensorMeta& m = req.meta;
-  const int p = set.size();
-  const int r = set.rank;
-  const size_t row_bytes = ElementCount(m.shape, 1) * DataTypeSize(m.dtype);
-  AlltoallOptions o;
-  std::vector<int64_t> out_shape = m.shape;
-  out_shape[0] = 0;
-  for (int i = 0; i < p; ++i) {
-    const int64_t sent = resp.rows[size_t(r) * p + i], received = resp.rows[size_t(i) * p + r];
-    o.send_bytes.push_back(static_cast<size_t>(sent) * row_bytes);
-    o.recv_bytes.push_back(static_cast<size_t>(received) * row_bytes);
-    out_shape[0] += received;
-    if (req.received_splits) req.received_splits[i] = received;
-  }
-  o.input = req.input;
-  std::vector<char> scratch;
-  bool failed;
-  o.output = AllocateOutput(req, out_shape, &scratch, &failed);
-  Alltoall(*set.transport, o);
-  return !failed;
 }
 
 void Engine::FailAll(kr_status status, const std::string& message) {
@@ -1421,7 +901,7 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
   set.rank = IndexOf(ranks, topology_.rank);
   if (set.rank >= 0) {
     set.transport = world_->Connect(ranks, GroupId(*id, 0));
-    SetUpSharedMemory(set, *id);
+    SetUpSharedMemory(set, *id, *world_, hosts_, SharedMemory());
   }
   if (coordinating_) {
     set.coordinator = std::make_unique<Coordinator>(set.size(), options_.cache_capacity);
@@ -1431,73 +911,14 @@ void Engine::CreateProcessSet(const std::vector<int>& ranks, int32_t* id) {
   set_ranks_[*id] = ranks;
 }
 
-void Engine::SetUpSharedMemory(ProcessSet& set, int32_t id) {
-  if (!options_.shared_memory || set.size() < 2) return;
-  // The members on each host, from the host names agreed at start.
-  const std::vector<int> local = SameHost(set.ranks, hosts_, topology_.rank);
-  const int local_rank = IndexOf(local, topology_.rank);
-  const int local_size = static_cast<int>(local.size());
-  int min_local = set.size(), max_local = 0;
-  std::vector<int> cross;  // the members of this local rank, one per host
-  for (int r : set.ranks) {
-    const std::vector<int> theirs = SameHost(set.ranks, hosts_, r);
-    min_local = std::min(min_local, static_cast<int>(theirs.size()));
-    max_local = std::max(max_local, static_cast<int>(theirs.size()));
-    if (IndexOf(theirs, r) == local_rank) cross.push_back(r);
-  }
-  // Across hosts: hierarchical when every host holds the same number (> 1)
-  // of members, so that the blocks of each local rank line up across hosts.
-  const bool spans_hosts = local_size != set.size();
-  if (spans_hosts && !(options_.hierarchical && min_local == max_local && min_local > 1)) return;
-  // The slot size must agree across hosts too (the hierarchical blocks line
-  // up), and a host with more members than cores makes every member take
-  // small allreduces over the network: agreed over the whole set.
-  struct Wish {
-    uint64_t slot_bytes;
-    uint8_t oversubscribed;
-  } wish{options_.shm_slot_bytes, local_size > UsableCpus()};
-  std::vector<Wish> wishes(set.size());
-  AllgatherBytes(*set.transport, &wish, sizeof wish, wishes.data());
-  uint64_t slot_bytes = 0;
-  for (const Wish& w : wishes) {
-    set.shm_oversubscribed = set.shm_oversubscribed || w.oversubscribed;
-    slot_bytes = std::max(slot_bytes, w.slot_bytes);
-  }
-  if (slot_bytes == 0) slot_bytes = set.shm_oversubscribed ? kShmSlotBytesOversubscribed : kShmSlotBytes;
-  // Rounds are a slot unless KERAS_RING_SEGMENT_BYTES or the autotuner
-  // asks for smaller ones; the slots are made large enough for what they
-  // may ask.
-  set.shm_round_bytes = slot_bytes;
-  slot_bytes = std::max<uint64_t>(
-      {slot_bytes, params_.segment_bytes, autotune_ ? kShmSlotBytesAutotune : 0});
-  // Unique on the host: the first local member's pid (which lets a later job
-  // spot the segments of a crashed one) and a random number.
-  char key[64] = {};
-  if (local_rank == 0) {
-    const unsigned long long nonce =
-        (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
-    std::snprintf(key, sizeof key, "%dx%016llx-%d", static_cast<int>(getpid()), nonce, id);
-  }
-  {
-    std::unique_ptr<Transport> host = world_->Connect(local, GroupId(id, 1));
-    BroadcastOptions o;
-    o.buffer = key;
-    o.bytes = sizeof key;
-    Broadcast(*host, o);
-  }
-  // Agreed over the whole set: all hosts use shared memory, or none.
-  auto all_agree = [&](bool ok) { return AllAgree(*set.transport, ok); };
-  std::string why;
-  // Waiting in shared memory, the world moves its messages along (see
-  // World::Progress), so that control messages this rank has sent reach
-  // the ranks that need them before they can join.
-  set.shm = ShmGroup::Create(local_rank, local, key, slot_bytes, all_agree, &why,
-                             [this] { world_->Progress(); }, world_->timeout());
-  if (!set.shm && !why.empty()) {
-    Log(LogLevel::kWarning, "cannot use shared memory (" + why + "); process set " +
-                                std::to_string(id) + " allreduces over the network instead");
-  }
-  if (set.shm && spans_hosts) set.cross = world_->Connect(cross, GroupId(id, 2));
+SharedMemoryOptions Engine::SharedMemory() const {
+  SharedMemoryOptions o;
+  o.enabled = options_.shared_memory;
+  o.hierarchical = options_.hierarchical;
+  o.slot_bytes = options_.shm_slot_bytes;
+  o.largest_round = std::max<uint64_t>(params_.segment_bytes,
+                                       autotune_ ? kShmSlotBytesAutotune : 0);
+  return o;
 }
 
 void Engine::DestroyProcessSet(int32_t id) {

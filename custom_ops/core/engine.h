@@ -5,7 +5,6 @@
 // its World (MPI, in-process or TCP).
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -19,72 +18,16 @@
 #include "autotune.h"
 #include "c_api.h"
 #include "common.h"
+#include "engine_trace.h"
+#include "executor.h"
 #include "negotiation.h"
 #include "options.h"
-#include "shm.h"
+#include "process_set.h"
+#include "request.h"
 #include "timeline.h"
-#include "transport/transport.h"
 #include "transport/world.h"
 
 namespace keras_ring {
-
-// A request as the engine keeps it: the caller's kr_request with its name and
-// shape copied; or a group of them (kr_enqueue_and_drive's `group`), which
-// is agreed and scheduled as one name and run as its members.
-struct Request {
-  TensorMeta meta;
-  const void* input = nullptr;
-  void* output = nullptr;
-  int device = KR_DEVICE_CPU;
-  int64_t* received_splits = nullptr;  // alltoall, optional
-  int32_t process_set = 0;
-  void* (*allocate_output)(void* ctx, int ndim, const int64_t* shape) = nullptr;
-  void (*done)(void* ctx, kr_status status, const char* message) = nullptr;
-  void* ctx = nullptr;
-  Timeline::Clock::time_point submitted;  // set only while a timeline records
-  // A group: its requests, in submission order (none if every one was
-  // refused); the group's own buffers and callbacks are unset, and
-  // meta.members is filled in only when the description is sent in full.
-  bool group = false;
-  std::vector<Request> members;
-
-  // Completes the request, or every member of a group.
-  void Complete(kr_status status, const std::string& message) const {
-    if (group) {
-      for (const Request& m : members) m.Complete(status, message);
-      return;
-    }
-    done(ctx, status, message.c_str());
-  }
-};
-
-// One process set as this process sees it. Set 0 is the whole job.
-struct ProcessSet {
-  std::vector<int> ranks;        // world ranks, ascending
-  int rank = -1;                 // this process's rank within the set; -1: not a member
-  std::unique_ptr<Transport> transport;  // among the members
-  // Allreduce through shared memory among the members on this host; if the
-  // set spans hosts (hierarchical), `cross` links this member with those of
-  // the same local rank on the other hosts.
-  std::unique_ptr<ShmGroup> shm;
-  size_t shm_round_bytes = 0;  // the round size the engine chose (the slot may be larger)
-  // A host has more of the set's ranks than cores: small allreduces go over
-  // the network instead (the same on every member).
-  bool shm_oversubscribed = false;
-  std::unique_ptr<Transport> cross;
-  // World rank 0 coordinates every set, member or not.
-  std::unique_ptr<Coordinator> coordinator;
-  // Members only: requests sent to the coordinator and not yet completed.
-  std::unordered_map<std::string, Request> pending;
-  bool joined = false;  // a join request of this rank is pending
-  // The response cache as this rank knows it: name -> id, and by id the
-  // request this rank made when the coordinator cached the name.
-  std::unordered_map<std::string, int32_t> cache_ids;
-  std::vector<TensorMeta> cached;
-  uint64_t collectives_run = 0;  // the same count on every member: names fused groups
-
-  int size() const { return static_cast<int>(ranks.size()); }
-};
 
 class Engine {
  public:
@@ -149,7 +92,8 @@ class Engine {
   // other ranks have then been told, and further requests are refused).
   // *progress: whether the pass did anything.
   bool Step(bool* progress);
-  bool Pass(bool* progress);  // false: the job is shutting down
+  // The rank whose shutdown ends the loop (this one's, or another's), or -1.
+  int Pass(bool* progress);
   // Takes a request from the queue into its set's pending table and the ready
   // list; false if it was refused (and completed).
   bool Admit(Request& req, std::unordered_map<int32_t, ReadyList>* ready);
@@ -158,43 +102,12 @@ class Engine {
   void AddToCoordinator(int world_rank, ReadyList list);
   bool ReceiveOnCoordinator(ResponseList* out);
   bool ReceiveResponses(ResponseList* out);
+  // Runs a response list (Executor), with the settings it carries; fails
+  // what is pending if it says a rank shut down.
   void Execute(ResponseList& list);
-  // Runs one agreed collective (several requests when fused).
-  void Run(ProcessSet& set, std::vector<Request>& requests, const Response& resp);
-  // Orders allreduce requests (a group's members, fused tensors) into as few
-  // collectives as the fusion threshold allows; returns where each one's
-  // requests end.
-  std::vector<size_t> PlanAllreduces(std::vector<Request>* requests) const;
-  // Runs requests [begin, end), alike in dtype, op and scale factors, as one allreduce.
-  void RunAllreduce(ProcessSet& set, const Request* begin, const Request* end);
-  // The collective's span on each request's row, from the response's arrival.
-  void TraceRunning(const ProcessSet& set, const std::vector<Request>& requests,
-                    const std::vector<size_t>& ends, const Response& resp,
-                    Timeline::Clock::time_point started);
-  struct Phase {
-    const char* name;
-    Timeline::Clock::time_point start, end;  // start is zero if the timeline was off
-  };
-  void TracePhases(const Request* begin, const Request* end, std::initializer_list<Phase> phases);
-  // Completes the request, ending its span.
-  void Complete(const Request& req, kr_status status, const std::string& message);
-  void RunBroadcast(ProcessSet& set, const Request& req);
-  // These three allocate their output through the request; each returns false
-  // if that failed (the request is then already completed with the error).
-  bool RunAllgather(ProcessSet& set, const Request& req, const Response& resp);
-  bool RunReducescatter(ProcessSet& set, const Request& req);
-  bool RunAlltoall(ProcessSet& set, const Request& req, const Response& resp);
-  // Asks for the output; on failure returns a scratch buffer so that this rank
-  // still takes part in the collective, and sets *failed.
-  void* AllocateOutput(const Request& req, const std::vector<int64_t>& shape,
-                       std::vector<char>* scratch, bool* failed);
   void CreateProcessSet(const std::vector<int>& ranks, int32_t* id);
-  // Sets up the set's transports (this rank a member).
-  void Connect(ProcessSet& set, int32_t id);
-  // Collective over the set's members: maps the shared memory of the members
-  // on each host, if they are all on one host or (hierarchical) every host
-  // has the same number of them, and it is not turned off.
-  void SetUpSharedMemory(ProcessSet& set, int32_t id);
+  // What SetUpSharedMemory may do, from the settings.
+  SharedMemoryOptions SharedMemory() const;
   void DestroyProcessSet(int32_t id);
   bool InFlight() const;
   // Other ranks, after each pass (`heard`: it received rank 0's responses):
@@ -243,9 +156,12 @@ class Engine {
     bool shutdown_sent = false;
     int idle_passes = 0;
   } pace_;
-  // Why the loop stopped by itself (another rank shut down, or the engine
-  // failed), which refusals report until shutdown() or init(); empty: it did not.
-  std::pair<kr_status, std::string> stopped_{KR_OK, ""};
+  // How the loop ended (a shutdown, or the engine failing), which refusals
+  // report until shutdown() or init(); an empty `why`: it has not.
+  struct {
+    kr_status status = KR_OK;
+    std::string why;
+  } stopped_;
   // Copies of each set's world ranks, for framework threads.
   std::unordered_map<int32_t, std::vector<int>> set_ranks_;
   uint64_t control_calls_ = 0;  // names internal requests alike on every rank
@@ -254,7 +170,6 @@ class Engine {
   // a caller in Drive(). It owns what follows while it does.
   std::mutex pass_mu_;
   std::thread thread_;
-  std::string stopped_why_;  // why the loop ended (for refusals afterwards)
   std::unordered_map<int32_t, ProcessSet> sets_;
   int32_t next_set_id_ = 1;
   bool shutdown_sent_ = false;
@@ -272,13 +187,11 @@ class Engine {
   bool autotune_ = false;
   bool autotune_done_ = false;
   bool params_changed_ = false;  // rank 0: to send with the next response list
-  std::vector<char> fusion_buffer_;  // grows to the largest fused collective
   Timeline timeline_;
-  Timeline::Clock::time_point received_;  // when the response list being run arrived
-  struct {
-    std::atomic<uint64_t> collectives{0}, tensors{0}, fused_tensors{0}, cached_tensors{0},
-        shm_collectives{0}, hierarchical_collectives{0};
-  } stats_;
+  EngineTrace trace_{timeline_};
+  Stats stats_;
+  Observers observers_{{&trace_, &stats_}};
+  Executor executor_;
 
   kr_topology topology_{};
 };

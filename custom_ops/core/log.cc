@@ -24,6 +24,7 @@ constexpr const char* kLevelNames[] = {"trace", "debug", "info", "warning", "err
 
 std::mutex mu;  // guards the fields below and keeps lines whole
 int log_rank = -1;
+thread_local int thread_log_rank = -1;  // -1: the process's log_rank
 std::string host;
 bool hide_time = false;
 std::unordered_set<std::string> said_once;
@@ -55,7 +56,8 @@ void Write(LogLevel level, const std::string& message) {
   } else {
     line = "[";
   }
-  line += (log_rank >= 0 ? "rank " + std::to_string(log_rank) + " " : std::string()) + host +
+  const int rank = thread_log_rank >= 0 ? thread_log_rank : log_rank;
+  line += (rank >= 0 ? "rank " + std::to_string(rank) + " " : std::string()) + host +
           "] keras-ring " + kLevelNames[static_cast<int>(level)] + ": ";
   for (char c : message) {
     line += c;
@@ -111,6 +113,10 @@ void SetLogRank(int rank) {
   std::lock_guard<std::mutex> lock(mu);
   log_rank = rank;
 }
+
+ThreadLogRank::ThreadLogRank(int rank) : previous_(thread_log_rank) { thread_log_rank = rank; }
+
+ThreadLogRank::~ThreadLogRank() { thread_log_rank = previous_; }
 
 void Log(LogLevel level, const std::string& message) {
   if (!LogEnabled(level)) return;

@@ -15,8 +15,22 @@ enum class LogLevel : int { kTrace = 0, kDebug = 1, kInfo = 2, kWarning = 3, kEr
 // the environment; throws EngineError naming the variable for an unknown
 // level. Runs when the library loads and again at each init().
 void ConfigureLog();
-// Once MPI has started: the rank and host every line names.
+// Once the job has started: the rank every line names.
 void SetLogRank(int rank);
+
+// While it lives, the lines of the calling thread name `rank` instead of the
+// process's: the C++ tests run several engines in one process, one per rank
+// thread, and each engine's threads hold one.
+class ThreadLogRank {
+ public:
+  explicit ThreadLogRank(int rank);
+  ~ThreadLogRank();
+  ThreadLogRank(const ThreadLogRank&) = delete;
+  ThreadLogRank& operator=(const ThreadLogRank&) = delete;
+
+ private:
+  int previous_;
+};
 
 namespace log_internal {
 extern std::atomic<int> level;

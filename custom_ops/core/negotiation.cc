@@ -71,15 +71,19 @@ std::string DimsToString(const std::vector<int64_t>& dims) {
 
 }  // namespace
 
+size_t ElementCount(const std::vector<int64_t>& shape, size_t first) {
+  size_t n = 1;
+  for (size_t i = first; i < shape.size(); ++i) n *= static_cast<size_t>(shape[i]);
+  return n;
+}
+
 size_t Bytes(const TensorMeta& m) {
   if (m.members) {
     size_t bytes = 0;
     for (const TensorMeta& member : *m.members) bytes += Bytes(member);
     return bytes;
   }
-  size_t count = 1;
-  for (int64_t d : m.shape) count *= static_cast<size_t>(d);
-  return count * DataTypeSize(m.dtype);
+  return ElementCount(m.shape) * DataTypeSize(m.dtype);
 }
 
 bool SameReduction(const TensorMeta& a, const TensorMeta& b) {
@@ -588,47 +592,6 @@ std::string Coordinator::RankList(const std::vector<bool>& which, bool value) co
     if (which[r] == value) s << (s.tellp() > 0 ? ", " : "") << WorldRank(r);
   }
   return s.str();
-}
-
-namespace {
-
-bool Fusable(const Response& r) {
-  return r.error.empty() && r.metas[0].collective == Collective::kAllreduce;
-}
-
-// A group's reduction fields are its first member's: fused with a
-// different member's, the engine runs each stretch of alike tensors apart.
-bool SameReduction(const Response& a, const Response& b) {
-  return a.process_set == b.process_set && SameReduction(a.metas[0], b.metas[0]);
-}
-
-}  // namespace
-
-std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold) {
-  std::vector<Response> out;
-  std::vector<bool> taken(responses.size(), false);
-  for (size_t i = 0; i < responses.size(); ++i) {
-    if (taken[i]) continue;
-    Response fused = std::move(responses[i]);
-    if (Fusable(fused) && threshold > 0) {  // 0: no fusion, even of empty tensors
-      for (size_t j = i + 1; j < responses.size(); ++j) {
-        Response& next = responses[j];
-        if (taken[j] || !Fusable(next) || !SameReduction(fused, next) ||
-            fused.bytes + next.bytes > threshold) {
-          continue;
-        }
-        fused.names.push_back(std::move(next.names[0]));
-        fused.cache_ids.push_back(next.cache_ids[0]);
-        fused.metas.push_back(std::move(next.metas[0]));
-        fused.cached = fused.cached && next.cached;
-        fused.send_metas = fused.send_metas || next.send_metas;
-        fused.bytes += next.bytes;
-        taken[j] = true;
-      }
-    }
-    out.push_back(std::move(fused));
-  }
-  return out;
 }
 
 std::pair<std::string, std::string> Coordinator::StallRanks(const Entry& e) const {

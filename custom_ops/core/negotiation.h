@@ -66,6 +66,8 @@ struct TensorMeta {
 
 // What the two allreduces (or reducescatters) need to agree on across ranks.
 bool SameReduction(const TensorMeta& a, const TensorMeta& b);
+// The elements of a tensor of `shape`, or of one of its rows (first = 1).
+size_t ElementCount(const std::vector<int64_t>& shape, size_t first = 0);
 // The bytes a tensor, or a group's members, hold: what fusion counts.
 size_t Bytes(const TensorMeta& m);
 
@@ -97,13 +99,6 @@ struct Response {
   bool send_metas = false;
   size_t bytes = 0;                  // coordinator only: what fusion counts
 };
-
-// Packs consecutive-or-later allreduce responses that agree on dtype, op and
-// scale factors into fused responses of at most `threshold` bytes (a tensor
-// larger than the threshold goes alone). Order of first appearance is kept;
-// other responses pass through unchanged. Every rank runs the result in the
-// same order, so the choice needs no further agreement.
-std::vector<Response> Fuse(std::vector<Response> responses, size_t threshold);
 
 struct ResponseList {
   std::vector<Response> responses;

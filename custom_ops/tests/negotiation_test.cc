@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/fusion.h"
 #include "../core/negotiation.h"
 #include "harness.h"
 

@@ -1,7 +1,9 @@
 // The timeline writer and the log's settings, without MPI.
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -161,6 +163,33 @@ KR_TEST(LogLevelComesFromTheEnvironment) {
   ConfigureLog();
   KR_EXPECT(LogEnabled(LogLevel::kWarning));
   KR_EXPECT(!LogEnabled(LogLevel::kInfo));
+}
+
+KR_TEST(LogLinesNameTheRankOfTheirThread) {
+  // Several engines in one process (one per rank thread): each thread's
+  // lines name its own rank, others the process's.
+  const std::string path = TempPath("log");
+  const int saved = dup(2);
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  dup2(fd, 2);
+  close(fd);
+  SetLogRank(3);
+  Log(LogLevel::kError, "from the process");
+  std::thread([] {
+    const ThreadLogRank rank(5);
+    Log(LogLevel::kError, "from rank 5's thread");
+  }).join();
+  Log(LogLevel::kError, "from the process again");
+  dup2(saved, 2);
+  close(saved);
+  SetLogRank(-1);
+  const std::vector<std::string> lines = Lines(Read(path));
+  std::remove(path.c_str());
+  KR_EXPECT_EQ(lines.size(), 3u);
+  if (lines.size() != 3) return;
+  KR_EXPECT(lines[0].find("rank 3 ") != std::string::npos);
+  KR_EXPECT(lines[1].find("rank 5 ") != std::string::npos);
+  KR_EXPECT(lines[2].find("rank 3 ") != std::string::npos);
 }
 
 }  // namespace
