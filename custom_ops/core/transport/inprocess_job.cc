@@ -30,12 +30,14 @@ struct InProcessJob::Mailboxes {
 
 namespace {
 
-// A stopped rank's transfer: never done.
+// A stopped rank's transfer: not done for three timeouts, so that the ranks
+// waiting on it give up first, as they would on a stopped process, however
+// late their waits began; then it fails, and the rank's thread can end.
 class FrozenPending : public Pending {
  public:
   explicit FrozenPending(std::chrono::milliseconds timeout) : timeout_(timeout) {}
   void Wait() override {
-    std::this_thread::sleep_for(timeout_);
+    std::this_thread::sleep_for(3 * timeout_);
     throw EngineError("keras-ring: this rank was frozen (test fault)");
   }
 

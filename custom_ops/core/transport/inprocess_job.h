@@ -30,7 +30,7 @@ class InProcessJob {
 
   // Faults for tests, from the next transfer of `rank` on: each throws
   // EngineError(why), as if its transport had failed (Fail); or sends
-  // nothing and waits until the timeout, as if its process had stopped
+  // nothing and waits three timeouts, as if its process had stopped
   // (Freeze).
   void Fail(int rank, const std::string& why);
   void Freeze(int rank);
