@@ -218,7 +218,6 @@ class MpiWorld : public World {
   }
 
   const std::function<void()>& drain() const { return drain_; }
-  std::chrono::milliseconds data_timeout() const { return timeout_; }
   // Asks `peer` whether it is alive: its world answers in any of its waits.
   void Ask(int peer) {
     answered_[peer] = false;
@@ -330,7 +329,7 @@ void MpiPending::Wait() {
   MPI_Status status;
   const char* what = is_recv_ ? "MPI_Test (receive)" : "MPI_Test (send)";
   const PeerWait found = WaitOnPeer(
-      world_->data_timeout(),
+      world_->timeout(),
       [&](Clock::time_point deadline) {
         return WaitUntil(&request_, &status, deadline, world_->drain(), what);
       },
@@ -339,7 +338,7 @@ void MpiPending::Wait() {
     Abandon(&request_);
     world_failed = true;
     throw EngineError("keras-ring: rank " + std::to_string(world_->rank()) + " waited " +
-                      SecondsText(world_->data_timeout()) + " s (KERAS_RING_TIMEOUT) for rank " +
+                      SecondsText(world_->timeout()) + " s (KERAS_RING_TIMEOUT) for rank " +
                       std::to_string(peer_) + (is_recv_ ? " to send it " : " to receive ") +
                       std::to_string(bytes_) + " bytes (tag " + std::to_string(tag_) +
                       ") in the middle of a collective: " + PeerWaitVerdict(found, peer_));
