@@ -88,12 +88,14 @@ _LAZY = {
     "stop_timeline": "keras_ring.timeline",
 }
 
+# Sub-packages that import Keras, loaded on first use too.
+_SUBPACKAGES = ("callbacks", "elastic")
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "Sum",
     "cross_rank", "cross_size", "cuda_built", "init", "is_homogeneous", "is_initialized",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-    "nccl_built", "rank", "shutdown", "size", "callbacks", "broadcast_object",
+    "nccl_built", "rank", "shutdown", "size", "callbacks", "elastic", "broadcast_object",
     "allgather_object", "barrier", "join", "broadcast_object_fn", "gloo_built", "gloo_enabled",
     "ccl_built", "ddl_built", "rocm_built", "ProcessSet", "add_process_set",
     "global_process_set", "remove_process_set", *_LAZY,
@@ -109,10 +111,10 @@ if "keras" in sys.modules:
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "callbacks":
-        return importlib.import_module("keras_ring.callbacks")
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"keras_ring.{name}")
     raise AttributeError(f"module 'keras_ring' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY) + ["callbacks"])
+    return sorted(list(globals()) + list(_LAZY) + list(_SUBPACKAGES))
