@@ -1,0 +1,16 @@
+"""keras_ring.elastic's states across 2 and 3 ranks (tests/workers/elastic_state_worker.py)."""
+
+import pathlib
+
+import pytest
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "elastic_state_worker.py"
+SCENARIOS = ["sync", "object_state", "different_models", "host_update", "run_reset"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np, transport", [(2, "tcp"), (3, "tcp"), (3, "mpi")])
+def test_elastic_states(run_ranks, np, transport):
+    result = run_ranks(np, WORKER, *SCENARIOS, timeout=300, transport=transport)
+    for scenario in SCENARIOS:
+        assert f"{scenario}: " in result.stdout, result.stdout
