@@ -170,6 +170,20 @@ def test_keras_state_sync_keeps_the_values_and_saves_them():
     assert state.epoch == 3
 
 
+def test_keras_state_reset_traces_the_steps_again():
+    model = dense_model()
+    state = kr.elastic.KerasState(model)
+    calls = []
+    state.register_reset_callbacks([lambda: calls.append(model.train_function)])
+    x, y = data()
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    traced = model.train_function
+    state.on_reset()
+    assert calls and calls[0] is not traced  # the callbacks see the new one
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2 * STEPS
+
+
 def test_keras_state_takes_an_optimizer_and_the_horovod_name():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
@@ -472,6 +486,18 @@ def test_callbacks_that_stop_training_still_stop_it(stopper, batches, first):
               callbacks=[steps, *callbacks])
     assert steps.batches == batches
     assert [epoch for epoch, _ in steps.ended] == list(batches)
+
+
+@pytest.mark.xfail(strict=True, reason="AgreedStoppingCallback writes bool(stop_training) over "
+                   "the end-of-resumed-epoch marker, so the fit stops after the resumed epoch")
+def test_agreed_stopping_lets_a_resumed_epoch_end():
+    model = dense_model()
+    state = kr.elastic.KerasState(model, epoch=0, batch=3)
+    steps = Steps()
+    model.fit(dataset(3), shuffle=False, steps_per_epoch=STEPS, epochs=2, verbose=0,
+              callbacks=[steps, *elastic_callbacks(state, ["commit", "batch", "epoch"], 1),
+                         kr.callbacks.AgreedStoppingCallback()])
+    assert steps.batches == {0: STEPS - 3, 1: STEPS}
 
 
 @pytest.mark.parametrize("style", ["epochs left", "initial_epoch"])

@@ -133,6 +133,28 @@ class KerasState(ObjectState):
         super().sync()
         self._saved_variables = self._read_variables()
 
+    def on_reset(self):
+        """Has the model trace its steps again for the new world, then calls the reset callbacks.
+
+        Its train, test and predict functions are made again, since a step
+        traced for the old world keeps what it read of it: traced in a job of
+        size 1, a `DistributedOptimizer`'s step leaves the gradient allreduce
+        out. `keras_ring.elastic.run` calls this after each reset, once the
+        state is synced. A `tf.function` of your own that uses keras-ring
+        needs the same: make it again in a reset callback.
+
+        Example:
+
+        ```python
+        state.on_reset()  # the next fit traces its step for kr.size() ranks
+        ```
+        """
+        if self.model.compiled:
+            self.model.make_train_function(force=True)
+            self.model.make_test_function(force=True)
+            self.model.make_predict_function(force=True)
+        super().on_reset()
+
     def _variables(self):
         if not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)

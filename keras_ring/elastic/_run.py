@@ -82,7 +82,8 @@ def run(func):
                     state.on_reset()
                 return func(state, *args, **kwargs)
             except _errors.HostsUpdatedInterrupt as interrupt:
-                _log.info(f"{interrupt} Re-forming the world.")
+                if _basics.rank() == 0:
+                    _log.info(f"{interrupt} Re-forming the world.")
             except Exception as error:
                 lost = error if isinstance(error, _errors.WorkerLostError) else (
                     _errors.worker_lost(error))
