@@ -12,7 +12,7 @@ class HostsUpdatedInterrupt(RuntimeError):
 
 
 def worker_lost(exc):
-    """Returns a `WorkerLostError` if `exc` is a keras-ring op's error for a lost peer, else None."""
+    """Returns a `WorkerLostError` if `exc` is a keras-ring op's lost-peer error, else None."""
     tf = sys.modules.get("tensorflow")
     if (tf is not None and isinstance(exc, tf.errors.UnavailableError)
             and str(exc.message).startswith("keras-ring:")):
