@@ -271,7 +271,7 @@ def test_run_restores_reinits_syncs_then_resets_after_a_lost_worker(calls, error
 
 
 def test_run_reinits_without_restoring_after_a_host_update(calls):
-    train = kr.elastic.run(failing(calls, [kr.elastic.HostsUpdatedInterrupt("grown")]))
+    train = kr.elastic.run(failing(calls, [kr.elastic.HostsUpdatedInterrupt()]))
     train(with_reset_callback(calls))
     assert calls == ["sync", "func", "reinit", "sync", "reset callback", "func"]
 

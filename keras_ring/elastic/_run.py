@@ -1,9 +1,8 @@
 """run: calls a training function again on a re-formed world, from the last commit."""
 
 import functools
-import os
 
-from keras_ring import _basics, _errors, _log
+from keras_ring import _basics, _elastic_world, _errors, _log
 from keras_ring.elastic import _validation
 
 
@@ -83,19 +82,20 @@ def run(func):
                 return func(state, *args, **kwargs)
             except _errors.HostsUpdatedInterrupt as interrupt:
                 if _basics.rank() == 0:
-                    _log.info(f"{interrupt} Re-forming the world.")
+                    _log.info(f"{interrupt}.")
+                _elastic_world.set_reason(interrupt)
             except Exception as error:
-                lost = error if isinstance(error, _errors.WorkerLostError) else (
-                    _errors.worker_lost(error))
+                lost = _errors.worker_lost(error)
                 if lost is None:
                     raise
-                if os.environ.get("KERAS_RING_ELASTIC") != "1":
+                if not _elastic_world.is_elastic():
                     raise _errors.WorkerLostError(
                         f"{lost} This job cannot go on without the lost worker: it was not "
                         "started with `keras-ring-run --elastic`, so no driver re-forms its "
                         "world."
                     ) from error
                 _log.warning(f"{lost} Going back to the last commit and re-forming the world.")
+                _elastic_world.set_reason(lost)
                 state.restore()
             reset = True
 

@@ -130,10 +130,7 @@ class State:
         updated = _objects._run("BROADCAST", updated, "keras_ring.elastic.hosts_updated",
                                 root_rank=0)
         if updated[0]:
-            raise _errors.HostsUpdatedInterrupt(
-                "keras-ring: the driver asked the world to re-form (workers were added or hosts "
-                "removed); keras_ring.elastic.run re-forms it and calls the function again."
-            )
+            raise _errors.HostsUpdatedInterrupt()
 
     def save(self):
         """Keeps a copy of the state in memory (subclasses define what it holds).
