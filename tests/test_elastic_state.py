@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ring as kr
-from keras_ring import _basics, _elastic_world
+from keras_ring import _basics, _elastic_world, _objects
 from keras_ring.elastic import _run
 
 STEPS = 5  # per epoch
@@ -262,6 +262,14 @@ def test_run_syncs_then_calls_once_without_errors(calls):
     assert calls == ["sync", "func"]
 
 
+def test_run_resets_a_newcomer_after_its_first_sync(calls, monkeypatch):
+    monkeypatch.setattr(_elastic_world, "generation", lambda: 3)  # joined a running job
+    train = kr.elastic.run(failing(calls, [kr.elastic.WorkerLostError("lost")]))
+    train(with_reset_callback(calls))
+    assert calls == ["sync", "reset callback", "func", "restore", "reinit", "sync",
+                     "reset callback", "func"]
+
+
 @pytest.mark.parametrize("error", [kr.elastic.WorkerLostError("lost"), lost_peer()],
                          ids=["WorkerLostError", "keras-ring UnavailableError"])
 def test_run_restores_reinits_syncs_then_resets_after_a_lost_worker(calls, error):
@@ -328,6 +336,14 @@ def test_run_checks_its_arguments(calls):
     assert train.__name__ == "train" and train.__doc__ == "Trains."
     with pytest.raises(TypeError, match="Received: state="):
         train("state")
+
+
+def test_reinit_starts_the_engine_again_and_names_by_call_order_from_zero():
+    kr.barrier()  # named by call order
+    _run._reinit()  # outside an elastic job: the same world of size 1
+    assert kr.is_initialized() and kr.size() == 1
+    assert _objects._name("barrier", None, None) == "barrier.0"
+    kr.barrier()
 
 
 def test_horovod_names():

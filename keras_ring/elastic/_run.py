@@ -2,7 +2,7 @@
 
 import functools
 
-from keras_ring import _basics, _elastic_world, _errors, _log
+from keras_ring import _basics, _elastic_world, _errors, _log, _objects
 from keras_ring.elastic import _validation
 
 
@@ -24,7 +24,9 @@ def run(func):
     collectives (horovod#3494's deadlock came from ranks that skipped it).
     The reset callbacks run after the sync, so they see, and may change, the
     state training goes on from; Horovod runs them before, and its sync then
-    overwrites what they set (horovod#2844).
+    overwrites what they set (horovod#2844). A newcomer, whose first world
+    is a re-formed one, runs them after its first sync, so that it sets what
+    the survivors set.
 
     Any other error propagates unchanged. Outside an elastic job (one not
     started with `keras-ring-run --elastic`) a lost worker cannot be
@@ -72,12 +74,15 @@ def run(func):
     def wrapper(state, *args, **kwargs):
         _validation.check_state(state)
         reset = False
+        # A newcomer's first world is a re-formed one: it runs the reset
+        # callbacks after its first sync, as the survivors do after theirs.
+        joined = _elastic_world.generation() > 0
         while True:
             try:
                 if reset:
                     _reinit()
                 state.sync()
-                if reset:
+                if reset or joined:
                     state.on_reset()
                 return func(state, *args, **kwargs)
             except _errors.HostsUpdatedInterrupt as interrupt:
@@ -105,4 +110,7 @@ def run(func):
 def _reinit():
     """Starts the engine again, on the world the driver forms next."""
     _basics.shutdown()
+    # Collectives named by call order count from 0 again, as in a newcomer's
+    # new process, so that survivors' and newcomers' names agree.
+    _objects._counters.clear()
     _basics.init()
