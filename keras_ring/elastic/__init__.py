@@ -20,7 +20,8 @@ state.register_reset_callbacks(
 
 @kr.elastic.run
 def train(state):
-    dataset = make_dataset().apply(kr.shard_dataset).batch(32).repeat()
+    # Sharded for this world, from where the epoch is.
+    dataset = make_dataset().apply(kr.shard_dataset).batch(32).repeat().skip(state.batch)
     model.fit(dataset, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch,
               callbacks=[kr.elastic.CommitStateCallback(state, batches_per_commit=10),
                          kr.elastic.UpdateBatchStateCallback(state),

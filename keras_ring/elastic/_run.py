@@ -34,7 +34,13 @@ def run(func):
 
     Data: build the dataset inside `func`, so that each call shards it for
     the world it runs on (`keras_ring.shard_dataset` reads the rank and size
-    when it is called), and skip what the state says is done (the example).
+    when it is called), and start it where the state says the epoch is
+    (`skip(state.batch)` batches, as in the example): the resumed epoch then
+    runs the batches it had left, provided each call yields the batches in
+    the same order (a shuffle that differs between calls skips others).
+    After a resize the batches left are counted in the new
+    world's batches, so the resumed epoch covers the data only roughly once;
+    the epochs after it cover it as they would without a reset.
 
     Args:
         func: The training function; its first argument is the state.
@@ -57,7 +63,7 @@ def run(func):
     def train(state):
         # Built here: after a reset, each rank shards for the new world.
         dataset = (tf.data.Dataset.from_tensor_slices((x, y)).apply(kr.shard_dataset)
-                   .shuffle(1024, seed=state.epoch).batch(32).repeat())
+                   .batch(32, drop_remainder=True).repeat().skip(state.batch))
         model.fit(dataset, steps_per_epoch=len(x) // (32 * kr.size()),
                   epochs=EPOCHS - state.epoch,
                   callbacks=[kr.elastic.CommitStateCallback(state, batches_per_commit=10),

@@ -59,7 +59,8 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
 
     @kr.elastic.run
     def train(state):
-        model.fit(dataset.repeat(), steps_per_epoch=100, epochs=10 - state.epoch,
+        model.fit(dataset.repeat().skip(state.batch), steps_per_epoch=100,
+                  epochs=10 - state.epoch,
                   callbacks=[kr.elastic.CommitStateCallback(state, batches_per_commit=10),
                              kr.elastic.UpdateBatchStateCallback(state),
                              kr.elastic.UpdateEpochStateCallback(state)])
