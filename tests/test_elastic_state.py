@@ -156,6 +156,24 @@ def test_keras_state_builds_an_unbuilt_optimizer():
     assert_same(values(model), before)
 
 
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05)),
+    lambda: kr.DistributedOptimizer(keras.optimizers.AdamW(0.05)),
+], ids=["SGD", "LossScaleOptimizer", "DistributedOptimizer"])
+def test_keras_state_restores_each_kind_of_optimizer(optimizer):
+    model = dense_model(optimizer())
+    state = kr.elastic.KerasState(model)
+    x, y = data()
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    state.sync()
+    state.commit()
+    committed = values(model)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    state.restore()
+    assert_same(values(model), committed)
+
+
 def test_keras_state_sync_keeps_the_values_and_saves_them():
     model = dense_model()
     state = kr.elastic.KerasState(model, epoch=3)
