@@ -101,6 +101,10 @@ class KerasState(ObjectState):
     def sync(self):
         """Gives every rank rank 0's variables and saved attributes, then saves. Collective.
 
+        Rank 0's variables as they are, which in `keras_ring.elastic.run` is
+        its last commit: run syncs after a restore, after the commit that
+        raised `HostsUpdatedInterrupt`, or before training starts.
+
         Raises:
             ValueError: On every rank, if the ranks' models or optimizers
                 differ (their variables' count, shapes or dtypes).

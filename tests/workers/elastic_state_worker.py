@@ -64,15 +64,16 @@ def train(model, steps, seed):
 
 
 def scenario_sync():
-    """Every rank gets rank 0's weights, slots, iterations and saved attributes; the last rank,
-    a newcomer that never trained, has its optimizer built by the state."""
+    """Every rank gets rank 0's committed weights, slots, iterations and attributes; the last
+    rank, a newcomer that never trained, has its optimizer built by the state."""
     model = model_and_optimizer(seed=RANK)
     newcomer = RANK == SIZE - 1
     if not newcomer:
         train(model, steps=RANK + 1, seed=RANK)
     state = kr.elastic.KerasState(model, epoch=RANK, batch=10 * RANK, seen=[RANK])
     check(model.optimizer.built, "the state should build the optimizer")
-    state.epoch, state.batch = 100 + RANK, 7  # not committed: sync takes rank 0's saved ones
+    state.commit()  # every rank its own
+    state.epoch, state.batch = 100 + RANK, 7  # not committed: sync takes rank 0's committed ones
     before = every_rank(values(model))
     check(before[0] != before[-1], "ranks should differ before the sync")
     state.sync()
