@@ -172,12 +172,51 @@ def scenario_run_reset():
     check(first_layer[0] != first_layer[-1], "ranks should have trained on their own data")
 
 
+class BatchCount(keras.callbacks.Callback):
+    """Counts the batches of each epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.batches.append(0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches[-1] += 1
+
+
+def scenario_resumed_epoch():
+    """A resumed epoch ends early on every rank alike, with keras-ring's step guard and a
+    DistributedOptimizer: no rank out of step, the same weights everywhere."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    state = kr.elastic.KerasState(model, epoch=1, batch=3)
+    state.sync()
+    rng = np.random.default_rng(RANK)
+    x, y = rng.normal(size=(5 * BATCH, 3)), rng.normal(size=(5 * BATCH, 1))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().skip(state.batch)
+    count = BatchCount()
+    model.fit(data, steps_per_epoch=5, epochs=3 - state.epoch, verbose=0,
+              validation_data=(x[:BATCH], y[:BATCH]),
+              callbacks=[count, kr.callbacks.MetricAverageCallback(),
+                         kr.elastic.UpdateBatchStateCallback(state),
+                         kr.elastic.CommitStateCallback(state, batches_per_commit=2),
+                         kr.elastic.UpdateEpochStateCallback(state)])
+    check(count.batches == [2, 5], f"batches per epoch {count.batches}")
+    check((state.epoch, state.batch) == (3, 0), f"state {(state.epoch, state.batch)}")
+    got = every_rank(values(model))
+    check(got == [got[0]] * SIZE, "the ranks' weights differ")
+
+
 SCENARIOS = {
     "sync": scenario_sync,
     "object_state": scenario_object_state,
     "different_models": scenario_different_models,
     "host_update": scenario_host_update,
     "run_reset": scenario_run_reset,
+    "resumed_epoch": scenario_resumed_epoch,
 }
 
 
