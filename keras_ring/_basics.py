@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 
-from keras_ring import _launcher, _mpi_env
+from keras_ring import _elastic_world, _launcher, _mpi_env
 
 _lock = threading.Lock()
 _topology = None
@@ -142,6 +142,9 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
         info = _launcher.read_build_info()
         _mpi_env.check_launcher_environment(info)
         engine = _engine()
+        if _elastic_world.is_elastic():
+            # The driver gives each world's rank and size (it may remove this worker instead).
+            settings.update(_elastic_world.request_world())
         engine.init(settings)
         topology = engine.topology()
         expected = _mpi_env.expected_world_size()

@@ -411,6 +411,109 @@ class RendezvousServer:
                            f"{key_size}, at most {MAX_KEY_BYTES})")
 
 
+class RendezvousClient:
+    """A connection to a job's `RendezvousServer`, for Python code in the ranks.
+
+    The engine has its own client (`TcpStoreClient`); this one serves the
+    elastic layer, which asks the driver for each world through the store.
+
+    Args:
+        address: The server's "host:port" (`KERAS_RING_RENDEZVOUS`).
+        secret: The job's secret, as bytes.
+        role: Who connects, for the server's messages (1-256 bytes of UTF-8).
+        timeout: Seconds to connect and authenticate, and to wait for each
+            reply beyond a `get`'s own wait.
+
+    Raises:
+        ConnectionError: If the server cannot be reached, or it does not
+            hold the job's secret, within `timeout`.
+
+    Example:
+
+        with RendezvousClient("127.0.0.1:4242", secret, "worker a:0:1") as store:
+            store.set("key", b"value")
+            value = store.get("key", timeout=10)
+    """
+
+    def __init__(self, address, secret, role, timeout=30.0):
+        self._address = address
+        self._timeout = timeout
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        deadline = time.monotonic() + timeout
+        try:
+            self._conn = socket.create_connection((host, int(port)), timeout=timeout)
+        except (OSError, ValueError) as e:
+            raise ConnectionError(f"keras-ring: cannot reach the rendezvous server at "
+                                  f"{address}: {e}") from None
+        try:
+            self._authenticate(secret, role.encode("utf-8"), deadline)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _authenticate(self, secret, role, deadline):
+        try:
+            hello = _recv_frame(self._conn, deadline, "the handshake")
+            if hello is None or len(hello) != len(_MAGIC) + _NONCE_BYTES or \
+                    not hello.startswith(_MAGIC):
+                raise _Refused("it did not greet with a keras-ring handshake")
+            nonce_s = hello[len(_MAGIC):]
+            nonce_c = secrets.token_bytes(_NONCE_BYTES)
+            mac_c = _mac(secret, b"keras-ring store client", nonce_s, nonce_c, role)
+            _send_frame(self._conn, _MAGIC + nonce_c + mac_c + role, self._timeout)
+            proof = _recv_frame(self._conn, deadline, "the handshake")
+        except (_Refused, OSError) as e:
+            raise ConnectionError(f"keras-ring: the handshake with the rendezvous server at "
+                                  f"{self._address} failed: {e}") from None
+        expected = _mac(secret, b"keras-ring store server", nonce_s, nonce_c, role)
+        if proof is None or not hmac.compare_digest(proof, expected):
+            raise ConnectionError(f"keras-ring: the rendezvous server at {self._address} "
+                                  "does not hold the job's secret (or refused this one)")
+
+    def set(self, key, value):
+        """Sets `key` (str) to `value` (bytes)."""
+        key = key.encode("utf-8")
+        self._request(b"S" + struct.pack("!H", len(key)) + key + value, self._timeout,
+                      f"setting {key!r}")
+
+    def get(self, key, timeout):
+        """The value of `key`, waiting up to `timeout` seconds for it to be set; None if not."""
+        key = key.encode("utf-8")
+        timeout_ms = max(0, int(timeout * 1000))
+        reply = self._request(b"G" + struct.pack("!IH", timeout_ms, len(key)) + key,
+                              timeout + self._timeout, f"getting {key!r}")
+        return reply[1:] if reply[:1] == _OK else None
+
+    def _request(self, request, timeout, what):
+        try:
+            _send_frame(self._conn, request, self._timeout)
+            reply = _recv_frame(self._conn, time.monotonic() + timeout, what)
+        except (_Refused, OSError) as e:
+            raise ConnectionError(f"keras-ring: the rendezvous server at {self._address} did "
+                                  f"not answer {what}: {e}") from None
+        if reply is None:
+            raise ConnectionError(f"keras-ring: the rendezvous server at {self._address} "
+                                  f"closed the connection while {what}")
+        if reply[:1] == _ERROR:
+            raise ConnectionError(f"keras-ring: the rendezvous server at {self._address} "
+                                  f"refused {what}: {reply[1:].decode('utf-8', 'replace')}")
+        if reply[:1] not in (_OK, _NOT_SET):
+            raise ConnectionError(f"keras-ring: the rendezvous server at {self._address} "
+                                  f"answered {what} with a malformed reply")
+        return reply
+
+    def close(self):
+        """Closes the connection."""
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
 def _serve_until_stdin_closes():
     """Serves one job until stdin closes: the engine's C++ tests meet the real
     server this way. The secret comes hex-encoded in KERAS_RING_SECRET; the

@@ -34,13 +34,13 @@ kr_status WithError(kr_status status, const std::string& message, char* err, siz
   return status;
 }
 
-// Runs `body`, turning any exception into KR_INTERNAL with its message.
+// Runs `body`, turning any exception into its status (StatusOf) with its message.
 template <typename Body>
 kr_status Guarded(char* err, size_t err_len, Body&& body) noexcept {
   try {
     return body();
   } catch (const std::exception& e) {
-    return WithError(KR_INTERNAL, e.what(), err, err_len);
+    return WithError(keras_ring::StatusOf(e), e.what(), err, err_len);
   } catch (...) {
     return WithError(KR_INTERNAL, "keras-ring: unknown internal error", err, err_len);
   }
@@ -88,6 +88,9 @@ EngineOptions Options(const kr_init_options& o) {
   if (o.timeout_seconds > 0) {
     options.timeout = std::chrono::milliseconds(static_cast<long long>(o.timeout_seconds * 1e3));
   }
+  if (o.rank >= 0) options.tcp.rank = o.rank;
+  if (o.size >= 0) options.tcp.size = o.size;
+  if (o.world_name != nullptr) options.tcp.world_name = o.world_name;
   return options;
 }
 
@@ -95,6 +98,13 @@ EngineOptions Options(const kr_init_options& o) {
 std::unique_ptr<keras_ring::World> NewWorld(const EngineOptions& options) {
   if (options.transport != "tcp") return keras_ring::NewMpiWorld(options.timeout);
   const auto& tcp = options.tcp;
+  if (tcp.size < 1 || tcp.rank < 0 || tcp.rank >= tcp.size) {
+    throw keras_ring::EngineError(
+        "keras-ring: a TCP world needs a rank in [0, size) and a size of at least 1 "
+        "(KERAS_RING_RANK and KERAS_RING_SIZE, given by keras-ring-run --transport tcp). "
+        "Received: rank " + std::to_string(tcp.rank) + ", size " + std::to_string(tcp.size) +
+        " (-1: not given)");
+  }
   keras_ring::TcpStoreClient store(tcp.rendezvous, tcp.secret, "rank " + std::to_string(tcp.rank),
                                    options.timeout);
   keras_ring::TcpWorldOptions o;
@@ -111,9 +121,11 @@ std::unique_ptr<keras_ring::World> NewWorld(const EngineOptions& options) {
   // one-host job, whose store listens on loopback.
   o.listen_host = store.local_host();
   // Every rank starts its n-th world together (init and shutdown are
-  // collective): its keys must not meet the addresses of an earlier one.
+  // collective): its keys must not meet the addresses of an earlier one. An
+  // elastic job names each world it forms, so that a newcomer meets them.
   static int worlds = 0;
-  o.store_prefix = "tcp_world." + std::to_string(worlds++);
+  o.store_prefix = tcp.world_name.empty() ? "tcp_world." + std::to_string(worlds++)
+                                          : tcp.world_name;
   return std::make_unique<keras_ring::TcpWorld>(o);
 }
 

@@ -18,11 +18,12 @@ extern "C" {
 
 #define KR_API __attribute__((visibility("default")))
 
-/* The ABI's version: 2 added struct_size to kr_request and kr_init_options.
+/* The ABI's version: 2 added struct_size to kr_request and kr_init_options,
+ * 3 the TCP world's rank, size and name to kr_init_options and KR_PEER_LOST.
  * A struct whose struct_size is smaller than the engine's is read as far as
  * the caller knew it, the fields after it taking their defaults; one that is
  * larger (a newer caller) is refused. */
-#define KR_ABI_VERSION 2
+#define KR_ABI_VERSION 3
 
 typedef enum {
   KR_FLOAT16 = 0,
@@ -76,6 +77,10 @@ typedef enum {
   /* Ranks disagree on the request (collective, dtype, shape, op, root...), or
    * it cannot run while some ranks have joined. */
   KR_FAILED_PRECONDITION = 5,
+  /* A rank this one depends on died, stopped answering (KERAS_RING_TIMEOUT)
+   * or left the job: the message names it. This rank is well; an elastic job
+   * goes on in a new world without that rank. */
+  KR_PEER_LOST = 6,
 } kr_status;
 
 #define KR_DEVICE_CPU (-1)
@@ -159,9 +164,17 @@ typedef struct kr_init_options {
   double stall_shutdown_seconds;
   int64_t cache_capacity;      /* tensor names */
   double timeout_seconds;      /* more than 0 */
+  /* The TCP world to join: this rank, the size and the prefix of the world's
+   * keys in the rendezvous store (every rank of one world gives the same
+   * prefix, and no earlier world of the job used it). Elastic jobs give them
+   * for each world they form. -1 (NULL): KERAS_RING_RANK, KERAS_RING_SIZE,
+   * and "tcp_world.<n>" for the process's n-th world. */
+  int32_t rank;
+  int32_t size;
+  const char* world_name;
 } kr_init_options;
 /* Every setting from the environment. */
-#define KR_INIT_OPTIONS_DEFAULT {sizeof(kr_init_options), -1, -1, -1, -1, -1, -1}
+#define KR_INIT_OPTIONS_DEFAULT {sizeof(kr_init_options), -1, -1, -1, -1, -1, -1, -1, -1, NULL}
 
 KR_API int kr_abi_version(void);
 

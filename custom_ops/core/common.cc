@@ -105,4 +105,8 @@ std::string FormatSeconds(double seconds) {
   return text;
 }
 
+kr_status StatusOf(const std::exception& e) {
+  return dynamic_cast<const PeerLostError*>(&e) != nullptr ? KR_PEER_LOST : KR_INTERNAL;
+}
+
 }  // namespace keras_ring

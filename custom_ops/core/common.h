@@ -73,6 +73,18 @@ class EngineError : public std::runtime_error {
   explicit EngineError(const std::string& what) : std::runtime_error(what) {}
 };
 
+// A rank this one depends on died, stopped answering or left the job, so a
+// collective or the world's set-up cannot finish; this rank itself is well.
+// Reported as KR_PEER_LOST: elastic training re-forms the world without it.
+class PeerLostError : public EngineError {
+ public:
+  using EngineError::EngineError;
+};
+
+// The status a failure reports: KR_PEER_LOST for a PeerLostError, else
+// KR_INTERNAL.
+kr_status StatusOf(const std::exception& e);
+
 // Enforce-style check: says what was expected and what was found.
 #define KR_CHECK(cond, msg)                                                  \
   do {                                                                       \

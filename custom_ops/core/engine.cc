@@ -594,7 +594,7 @@ bool Engine::Step(bool* progress) {
     }
     if (coordinating_) AwaitShutdowns();
     world_->Flush();
-    StopAccepting(KR_NOT_INITIALIZED,
+    StopAccepting(shut_down_by == topology_.rank ? KR_NOT_INITIALIZED : KR_PEER_LOST,
                   shut_down_by == topology_.rank
                       ? "keras-ring has been shut down"
                       : "keras-ring: rank " + std::to_string(shut_down_by) +
@@ -605,9 +605,9 @@ bool Engine::Step(bool* progress) {
     // the others, and refuse new work until shutdown() (which returns at
     // once: no negotiation).
     KR_LOG(kError, std::string("the engine stopped: ") + e.what());
-    FailAll(KR_INTERNAL, e.what());
+    FailAll(StatusOf(e), e.what());
     Abandon(e.what());
-    StopAccepting(KR_INTERNAL, e.what());
+    StopAccepting(StatusOf(e), e.what());
   }
   return false;
 }
@@ -664,7 +664,7 @@ void Engine::CheckCoordinator(bool heard) {
   if (!waiting) return;
   const auto bound = world_->timeout() + kCoordinatorGrace;
   if (now - quiet_since_ > bound) {
-    throw EngineError(
+    throw PeerLostError(
         "keras-ring: rank " + std::to_string(topology_.rank) + " heard nothing from rank 0 " +
         "(the coordinator) for " + FormatSeconds(std::chrono::duration<double>(bound).count()) +
         " s (KERAS_RING_TIMEOUT + " +
@@ -770,9 +770,9 @@ void Engine::AwaitShutdowns() {
     const std::vector<int> missing = sets_[0].coordinator->NotShutDown();
     if (missing.empty()) return;
     if (std::chrono::steady_clock::now() > deadline) {
-      throw EngineError("keras-ring: rank 0 waited " +
-                        FormatSeconds(world_->timeout().count() / 1e3) +
-                        " s (KERAS_RING_TIMEOUT) for ranks " + RankList(missing) +
+      throw PeerLostError("keras-ring: rank 0 waited " +
+                          FormatSeconds(world_->timeout().count() / 1e3) +
+                          " s (KERAS_RING_TIMEOUT) for ranks " + RankList(missing) +
                         " to shut down; they are stuck or stopped");
     }
     if (!ReceiveReadyLists()) std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -864,7 +864,8 @@ void Engine::Execute(ResponseList& list) {
   executor_.Execute(list, sets_);
   if (list.shutdown_rank >= 0) {
     const std::string who = "keras-ring: rank " + std::to_string(list.shutdown_rank);
-    FailAll(KR_ABORTED,
+    // Another rank's shutdown is its leaving the job: an elastic job goes on without it.
+    FailAll(list.shutdown_rank == topology_.rank ? KR_ABORTED : KR_PEER_LOST,
             list.shutdown_rank == topology_.rank
                 ? "keras-ring: shutdown() was called while this operation was pending"
             : list.shutdown_reason.empty()

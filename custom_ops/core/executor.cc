@@ -106,7 +106,7 @@ void Executor::Execute(ResponseList& list, std::unordered_map<int32_t, ProcessSe
       }
     } catch (const std::exception& e) {
       // Requests taken out of `pending` must still complete.
-      for (const Request& req : requests) req.Complete(KR_INTERNAL, e.what());
+      for (const Request& req : requests) req.Complete(StatusOf(e), e.what());
       throw;
     }
     Run(set, requests, resp);
@@ -172,7 +172,7 @@ void Executor::Run(ProcessSet& set, std::vector<Request>& requests, const Respon
     }
   } catch (const std::exception& e) {
     for (const Request& req : requests) {
-      Complete(req, KR_INTERNAL, std::string(e.what()) + " (tensor '" + req.meta.name + "')");
+      Complete(req, StatusOf(e), std::string(e.what()) + " (tensor '" + req.meta.name + "')");
     }
     throw;
   }

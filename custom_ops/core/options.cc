@@ -106,9 +106,7 @@ EngineOptions EngineOptions::FromEnvironment() {
                       "KERAS_RING_TRANSPORT=" + o.transport);
   }
   if (o.transport == "tcp") {
-    const char* needed[] = {"KERAS_RING_RANK", "KERAS_RING_SIZE", "KERAS_RING_RENDEZVOUS",
-                            "KERAS_RING_SECRET"};
-    for (const char* name : needed) {
+    for (const char* name : {"KERAS_RING_RENDEZVOUS", "KERAS_RING_SECRET"}) {
       if (TextSetting({name}).empty()) {
         throw EngineError(std::string("keras-ring: KERAS_RING_TRANSPORT=tcp, but ") + name +
                           " is not set: a TCP job is started by `keras-ring-run --transport tcp`, "
@@ -116,14 +114,14 @@ EngineOptions EngineOptions::FromEnvironment() {
                           "rendezvous store and its secret");
       }
     }
-    o.tcp.size = static_cast<int>(
-        Setting<unsigned long long>({"KERAS_RING_SIZE"}, 1, "a number of ranks", ParseCount));
-    o.tcp.rank = static_cast<int>(
-        Setting<unsigned long long>({"KERAS_RING_RANK"}, 0, "a rank", ParseCount));
-    if (o.tcp.size < 1 || o.tcp.rank >= o.tcp.size) {
-      throw EngineError("keras-ring: KERAS_RING_RANK must lie in [0, KERAS_RING_SIZE). "
-                        "Received: KERAS_RING_RANK=" + TextSetting({"KERAS_RING_RANK"}) +
-                        ", KERAS_RING_SIZE=" + TextSetting({"KERAS_RING_SIZE"}));
+    // An elastic job's workers get their rank and size from init() instead.
+    if (!TextSetting({"KERAS_RING_SIZE"}).empty()) {
+      o.tcp.size = static_cast<int>(
+          Setting<unsigned long long>({"KERAS_RING_SIZE"}, 1, "a number of ranks", ParseCount));
+    }
+    if (!TextSetting({"KERAS_RING_RANK"}).empty()) {
+      o.tcp.rank = static_cast<int>(
+          Setting<unsigned long long>({"KERAS_RING_RANK"}, 0, "a rank", ParseCount));
     }
     o.tcp.rendezvous = TextSetting({"KERAS_RING_RENDEZVOUS"});
     o.tcp.secret = TextSetting({"KERAS_RING_SECRET"});

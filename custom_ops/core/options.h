@@ -35,9 +35,12 @@ struct EngineOptions {
   // follows).
   std::string transport = "mpi";
   struct {
-    int rank = 0, size = 1;
-    std::string rendezvous;  // host:port of the job's store
-    std::string secret;      // the job's; every connection proves it holds it
+    int rank = -1, size = -1;  // -1: not given
+    std::string rendezvous;    // host:port of the job's store
+    std::string secret;        // the job's; every connection proves it holds it
+    // The prefix of the world's keys in the store; empty: "tcp_world.<n>"
+    // for the process's n-th world.
+    std::string world_name;
   } tcp;
 
   // Throws EngineError naming the variable and its value for a bad one.

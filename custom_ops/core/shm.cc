@@ -210,16 +210,16 @@ void ShmGroup::WaitFor(int peer, uint64_t step) {
     if (Clock::now() < next_check) continue;
     next_check = Clock::now() + kCheckEvery;
     if (h->stopped.load(std::memory_order_acquire)) {
-      throw EngineError("keras-ring: rank " + std::to_string(world_ranks_[peer]) +
+      throw PeerLostError("keras-ring: rank " + std::to_string(world_ranks_[peer]) +
                         " stopped in the middle of a shared-memory collective");
     }
     if (check_pids_ && !Alive(h->pid)) {
-      throw EngineError("keras-ring: rank " + std::to_string(world_ranks_[peer]) + " (pid " +
+      throw PeerLostError("keras-ring: rank " + std::to_string(world_ranks_[peer]) + " (pid " +
                         std::to_string(h->pid) +
                         ") died in the middle of a shared-memory collective");
     }
     if (Clock::now() - since > timeout_) {
-      throw EngineError("keras-ring: rank " + std::to_string(world_ranks_[rank_]) + " waited " +
+      throw PeerLostError("keras-ring: rank " + std::to_string(world_ranks_[rank_]) + " waited " +
                         FormatSeconds(timeout_.count() / 1e3) +
                         " s (KERAS_RING_TIMEOUT) for rank " + std::to_string(world_ranks_[peer]) +
                         " in a shared-memory collective: rank " +

@@ -150,6 +150,11 @@ void RaiseFor(kr_status status, const std::string& message) {
   if (status == KR_INVALID_ARGUMENT || status == KR_FAILED_PRECONDITION) {
     throw py::value_error(message);
   }
+  if (status == KR_PEER_LOST) {
+    PyErr_SetString(py::module_::import("keras_ring._errors").attr("WorkerLostError").ptr(),
+                    message.c_str());
+    throw py::error_already_set();
+  }
   throw std::runtime_error(message);
 }
 
@@ -462,6 +467,7 @@ PYBIND11_MODULE(_engine, m) {
   // as kr_init_options's fields.
   m.def("init", [](const py::dict& settings) {
     kr_init_options o = KR_INIT_OPTIONS_DEFAULT;
+    std::string world_name;  // o.world_name points into it
     for (const auto& item : settings) {
       const std::string key = py::str(item.first);
       const py::handle value = item.second;
@@ -475,6 +481,13 @@ PYBIND11_MODULE(_engine, m) {
         o.stall_shutdown_seconds = value.cast<double>();
       } else if (key == "cache_capacity") {
         o.cache_capacity = value.cast<int64_t>();
+      } else if (key == "rank") {
+        o.rank = value.cast<int32_t>();
+      } else if (key == "size") {
+        o.size = value.cast<int32_t>();
+      } else if (key == "world_name") {
+        world_name = value.cast<std::string>();
+        o.world_name = world_name.c_str();
       } else {
         throw py::value_error("keras-ring: unknown engine setting " + key);
       }

@@ -42,6 +42,8 @@ absl::Status EngineStatus(kr_status status, const char* message) {
       return absl::AbortedError(text);
     case KR_INTERNAL:
       return absl::InternalError(text);
+    case KR_PEER_LOST:  // kr.elastic.run recovers from tf.errors.UnavailableError from us
+      return absl::UnavailableError(text);
   }
   return absl::InternalError("keras-ring engine returned unknown status " +
                              std::to_string(status) + ": " + text);

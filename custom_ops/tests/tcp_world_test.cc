@@ -32,6 +32,7 @@ using keras_ring::BroadcastOptions;
 using keras_ring::Clock;
 using keras_ring::EngineError;
 using keras_ring::InMemoryStore;
+using keras_ring::PeerLostError;
 using keras_ring::TcpWorld;
 using keras_ring::TcpWorldOptions;
 using keras_ring::Transport;
@@ -258,9 +259,9 @@ KR_TEST(TcpWorldChecksItsOptions) {
 KR_TEST(TcpWorldBootstrapTimesOutNamingTheMissingRank) {
   InMemoryStore store, empty;
   const auto start = Clock::now();
-  KR_EXPECT_THROW(TcpWorld(Options(0, 2, &store, milliseconds(300))), EngineError,
+  KR_EXPECT_THROW(TcpWorld(Options(0, 2, &store, milliseconds(300))), PeerLostError,
                   "rank 0 waited 300 ms for rank 1 to connect to it");
-  KR_EXPECT_THROW(TcpWorld(Options(2, 3, &empty, milliseconds(300))), EngineError,
+  KR_EXPECT_THROW(TcpWorld(Options(2, 3, &empty, milliseconds(300))), PeerLostError,
                   "rank 2 could not connect to rank 0 within 300 ms");
   KR_EXPECT(Clock::now() - start < milliseconds(3000));
 }
@@ -333,9 +334,17 @@ KR_TEST(TcpWorldByteCountMismatch) {
       return;
     }
     std::vector<char> eight(8);
-    KR_EXPECT_THROW(t.Recv(eight.data(), eight.size(), 0, 1), EngineError,
-                    "posted a receive of 8 bytes from rank 0 (tag 1) but the matching send has "
-                    "16 bytes");
+    // A bug of the job, which no new world would mend: not a lost peer.
+    try {
+      t.Recv(eight.data(), eight.size(), 0, 1);
+      KR_FAIL("expected a receive of 8 bytes to fail against a send of 16");
+    } catch (const PeerLostError& e) {
+      KR_FAIL(std::string("a byte count mismatch was reported as a lost peer: ") + e.what());
+    } catch (const EngineError& e) {
+      KR_EXPECT(std::string(e.what()).find("posted a receive of 8 bytes from rank 0 (tag 1) "
+                                           "but the matching send has 16 bytes") !=
+                std::string::npos);
+    }
     int32_t after = 0;
     t.Recv(&after, sizeof(after), 0, 2);
     KR_EXPECT_EQ(after, 1234);
@@ -351,7 +360,7 @@ KR_TEST(TcpWorldReceiveTimesOutNamingThePeer) {
         int32_t v;
         const auto start = Clock::now();
         // The group's tag 2 is the world's tag 2 for group id 0.
-        KR_EXPECT_THROW(t->Recv(&v, sizeof(v), 0, 2), EngineError,
+        KR_EXPECT_THROW(t->Recv(&v, sizeof(v), 0, 2), PeerLostError,
                         "rank 1 waited 300 ms for a message of 4 bytes from rank 0 (tag 2) that "
                         "never came");
         const auto waited = Clock::now() - start;
@@ -396,14 +405,14 @@ KR_TEST(TcpWorldPeerLostMidWait) {
     keras_ring::PendingPtr send = t->Isend(big.data(), big.size(), 0, 1);
     int32_t v;
     const auto start = Clock::now();
-    KR_EXPECT_THROW(t->Recv(&v, sizeof(v), 0, 2), EngineError, "rank 0's connection was lost");
+    KR_EXPECT_THROW(t->Recv(&v, sizeof(v), 0, 2), PeerLostError, "rank 0's connection was lost");
     KR_EXPECT(Clock::now() - start < milliseconds(5000));
-    KR_EXPECT_THROW(send->Wait(), EngineError, "rank 0's connection was lost");
-    KR_EXPECT_THROW(t->Send(&v, sizeof(v), 0, 2), EngineError, "rank 0's connection was lost");
+    KR_EXPECT_THROW(send->Wait(), PeerLostError, "rank 0's connection was lost");
+    KR_EXPECT_THROW(t->Send(&v, sizeof(v), 0, 2), PeerLostError, "rank 0's connection was lost");
     int from;
     std::vector<char> message;
-    KR_EXPECT_THROW(world.Receive(&from, &message), EngineError, "rank 0's connection was lost");
-    KR_EXPECT_THROW(world.Post(0, std::make_shared<std::vector<char>>(3)), EngineError,
+    KR_EXPECT_THROW(world.Receive(&from, &message), PeerLostError, "rank 0's connection was lost");
+    KR_EXPECT_THROW(world.Post(0, std::make_shared<std::vector<char>>(3)), PeerLostError,
                     "rank 0's connection was lost");
   } catch (const std::exception& e) {
     KR_FAIL(std::string("rank 1 threw: ") + e.what());
@@ -431,7 +440,7 @@ KR_TEST(TcpWorldPeerThatSaysGoodbyeIsLostWithItsReason) {
     std::unique_ptr<Transport> t = world.Connect({0, 1}, 0);
     int32_t v;
     const auto start = Clock::now();
-    KR_EXPECT_THROW(t->Recv(&v, sizeof(v), 0, 2), EngineError,
+    KR_EXPECT_THROW(t->Recv(&v, sizeof(v), 0, 2), PeerLostError,
                     "rank 0's connection was lost (it left the job: keras-ring: its engine "
                     "failed (test))");
     KR_EXPECT(Clock::now() - start < milliseconds(5000));

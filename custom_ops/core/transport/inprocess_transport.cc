@@ -83,12 +83,12 @@ class InProcessWorld::SendPending : public Pending {
     std::unique_lock<std::mutex> lock(state_->mu);
     const bool done = state_->arrived[src_].wait_for(
         lock, state_->timeout, [&] { return received_ || state_->gone[dst_]; });
-    if (!received_ && state_->gone[dst_]) throw EngineError(state_->Lost(dst_));
+    if (!received_ && state_->gone[dst_]) throw PeerLostError(state_->Lost(dst_));
     if (!done) {
-      throw EngineError("keras-ring: rank " + std::to_string(src_) + " waited " +
-                        std::to_string(state_->timeout.count()) + " ms for rank " +
-                        std::to_string(dst_) + " to receive a message of " +
-                        std::to_string(bytes_) + " bytes (tag " + std::to_string(tag_) + ")");
+      throw PeerLostError("keras-ring: rank " + std::to_string(src_) + " waited " +
+                          std::to_string(state_->timeout.count()) + " ms for rank " +
+                          std::to_string(dst_) + " to receive a message of " +
+                          std::to_string(bytes_) + " bytes (tag " + std::to_string(tag_) + ")");
     }
   }
 
@@ -119,14 +119,14 @@ class InProcessWorld::ReceivePending : public Pending {
         return channel.messages.count(number_) > 0 || state_->gone[src_];
       });
       if (!channel.messages.count(number_) && state_->gone[src_]) {
-        throw EngineError(state_->Lost(src_));
+        throw PeerLostError(state_->Lost(src_));
       }
       if (!arrived) {
-        throw EngineError("keras-ring: rank " + std::to_string(dst_) + " waited " +
-                          std::to_string(state_->timeout.count()) +
-                          " ms for a message of " + std::to_string(bytes_) +
-                          " bytes from rank " + std::to_string(src_) + " (tag " +
-                          std::to_string(tag_) + ") that never came");
+        throw PeerLostError("keras-ring: rank " + std::to_string(dst_) + " waited " +
+                            std::to_string(state_->timeout.count()) +
+                            " ms for a message of " + std::to_string(bytes_) +
+                            " bytes from rank " + std::to_string(src_) + " (tag " +
+                            std::to_string(tag_) + ") that never came");
       }
       auto it = channel.messages.find(number_);
       const State::Message m = it->second;

@@ -183,9 +183,9 @@ class MpiWorld : public World {
     for (size_t i = 0; i < sends_.size(); ++i) {
       if (!WaitUntil(&sends_[i].first, MPI_STATUS_IGNORE, deadline, drain_, "MPI_Test (control)")) {
         world_failed = true;
-        throw EngineError("keras-ring: rank " + std::to_string(rank_) + " waited " +
-                          SecondsText(timeout_) +
-                          " s (KERAS_RING_TIMEOUT) for its control messages to leave; a rank "
+        throw PeerLostError("keras-ring: rank " + std::to_string(rank_) + " waited " +
+                            SecondsText(timeout_) +
+                            " s (KERAS_RING_TIMEOUT) for its control messages to leave; a rank "
                           "it sends to is stuck or stopped");
       }
     }
@@ -293,8 +293,9 @@ class MpiWorld : public World {
           break;
         case kNoticeTag:
           world_failed = true;
-          throw EngineError("keras-ring: rank " + std::to_string(from) +
-                            " gave up and left the job: " + std::string(bytes.begin(), bytes.end()));
+          throw PeerLostError("keras-ring: rank " + std::to_string(from) +
+                              " gave up and left the job: " +
+                              std::string(bytes.begin(), bytes.end()));
         default:
           inbox_.emplace_back(from, std::move(bytes));
       }
@@ -337,11 +338,11 @@ void MpiPending::Wait() {
   if (found != PeerWait::kDone) {
     Abandon(&request_);
     world_failed = true;
-    throw EngineError("keras-ring: rank " + std::to_string(world_->rank()) + " waited " +
-                      SecondsText(world_->timeout()) + " s (KERAS_RING_TIMEOUT) for rank " +
-                      std::to_string(peer_) + (is_recv_ ? " to send it " : " to receive ") +
-                      std::to_string(bytes_) + " bytes (tag " + std::to_string(tag_) +
-                      ") in the middle of a collective: " + PeerWaitVerdict(found, peer_));
+    throw PeerLostError("keras-ring: rank " + std::to_string(world_->rank()) + " waited " +
+                        SecondsText(world_->timeout()) + " s (KERAS_RING_TIMEOUT) for rank " +
+                        std::to_string(peer_) + (is_recv_ ? " to send it " : " to receive ") +
+                        std::to_string(bytes_) + " bytes (tag " + std::to_string(tag_) +
+                        ") in the middle of a collective: " + PeerWaitVerdict(found, peer_));
   }
   if (!is_recv_) return;
   int count = 0;

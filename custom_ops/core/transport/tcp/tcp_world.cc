@@ -86,6 +86,7 @@ struct SendOp {
   std::unique_ptr<char[]> copy;  // the payload, once its Pending was dropped mid-write
   bool done = false;
   std::string error;  // set if it failed: Wait() throws it
+  bool lost = false;  // the error is the peer's loss
 };
 
 struct RecvOp {
@@ -96,7 +97,15 @@ struct RecvOp {
   bool done = false;
   bool dropped = false;  // its Pending is gone: the matching frame is discarded
   std::string error;
+  bool lost = false;
 };
+
+// Throws an operation's error: a PeerLostError when the peer was lost.
+template <typename Op>
+[[noreturn]] void ThrowError(const Op& op) {
+  if (op.lost) throw PeerLostError(op.error);
+  throw EngineError(op.error);
+}
 
 // A data frame that arrived before its receive was posted.
 struct Unexpected {
@@ -164,6 +173,11 @@ struct TcpWorld::State {
     return "keras-ring: " + R(peer) + "'s connection was lost (" + peers[peer].lost_reason +
            "); " + R(rank) + " was " + doing;
   }
+  template <typename Op>
+  static void SetLost(Op& op, const std::string& error) {
+    op.error = error;
+    op.lost = true;
+  }
   std::string Mismatch(size_t posted, int peer, int tag, size_t sent) const {
     return "keras-ring: " + R(rank) + " posted a receive of " + std::to_string(posted) +
            " bytes from " + R(peer) + " (tag " + std::to_string(tag) +
@@ -195,15 +209,15 @@ struct TcpWorld::State {
     p.lost = true;
     p.lost_reason = reason;
     p.control_lost = p.control_queued > 0;
-    for (const auto& op : p.out) op->error = Lost(peer, Sending(*op));
+    for (const auto& op : p.out) SetLost(*op, Lost(peer, Sending(*op)));
     p.out.clear();
     p.control_queued = 0;
     for (auto& [tag, q] : p.tags) {
-      for (const auto& op : q.posted) op->error = Lost(peer, Receiving(*op));
+      for (const auto& op : q.posted) SetLost(*op, Lost(peer, Receiving(*op)));
       q.posted.clear();
       if (!q.unexpected.empty() && !q.unexpected.back()->complete) q.unexpected.pop_back();
     }
-    if (p.in.recv) p.in.recv->error = Lost(peer, Receiving(*p.in.recv));
+    if (p.in.recv) SetLost(*p.in.recv, Lost(peer, Receiving(*p.in.recv)));
     p.in = Incoming();
     // The descriptor stays open until the world goes: another thread may be
     // polling it, and a closed number could be reused meanwhile.
@@ -432,7 +446,7 @@ struct TcpWorld::State {
   // The same up to the world's timeout, then throws what timed_out() says.
   template <typename Done, typename TimedOut>
   void WaitUntil(std::unique_lock<std::mutex>& lock, Done done, TimedOut timed_out) {
-    if (!ProgressUntil(lock, done, Clock::now() + timeout)) throw EngineError(timed_out());
+    if (!ProgressUntil(lock, done, Clock::now() + timeout)) throw PeerLostError(timed_out());
   }
 
   // A transfer's wait on `peer` (WaitOnPeer): timed_out() and the verdict on
@@ -443,14 +457,14 @@ struct TcpWorld::State {
         timeout, [&](Clock::time_point deadline) { return ProgressUntil(lock, done, deadline); },
         [&] { Ask(peer); }, [&] { return peers[peer].answered; });
     if (found != PeerWait::kDone) {
-      throw EngineError(timed_out() + ": " + PeerWaitVerdict(found, peer));
+      throw PeerLostError(timed_out() + ": " + PeerWaitVerdict(found, peer));
     }
   }
 
   void Queue(int peer, const std::shared_ptr<SendOp>& op) {
     Peer& p = peers[peer];
     if (p.lost) {
-      op->error = Lost(peer, Sending(*op));
+      SetLost(*op, Lost(peer, Sending(*op)));
       return;
     }
     if (op->control) {
@@ -491,7 +505,7 @@ struct TcpWorld::State {
     TagQueue& q = p.tags[tag];
     if (q.unexpected.empty()) {
       if (p.lost) {
-        op->error = Lost(peer, Receiving(*op));
+        SetLost(*op, Lost(peer, Receiving(*op)));
       } else {
         q.posted.push_back(op);
       }
@@ -525,7 +539,7 @@ struct TcpWorld::State {
     WaitOn(
         op.peer, lock,
         [&] {
-          if (!op.error.empty()) throw EngineError(op.error);
+          if (!op.error.empty()) ThrowError(op);
           return op.done;
         },
         [&] {
@@ -541,7 +555,7 @@ struct TcpWorld::State {
     WaitOn(
         op.peer, lock,
         [&] {
-          if (!op.error.empty()) throw EngineError(op.error);
+          if (!op.error.empty()) ThrowError(op);
           return op.done;
         },
         [&] {
@@ -664,9 +678,9 @@ TcpWorld::TcpWorld(const TcpWorldOptions& o) {
       ConnectHandshake(s.fd(), o.secret, o.rank, j, o.size, deadline);
       state_->peers[j].socket = std::move(s);
     } catch (const EngineError& e) {
-      throw EngineError("keras-ring: " + me + " could not connect to " + R(j) +
-                        (theirs.empty() ? "" : " at " + theirs) + " within " +
-                        std::to_string(o.timeout.count()) + " ms: " + Reason(e));
+      throw PeerLostError("keras-ring: " + me + " could not connect to " + R(j) +
+                          (theirs.empty() ? "" : " at " + theirs) + " within " +
+                          std::to_string(o.timeout.count()) + " ms: " + Reason(e));
     }
   }
   // Connections are authenticated side by side, so that a client that
@@ -689,8 +703,8 @@ TcpWorld::TcpWorld(const TcpWorldOptions& o) {
       for (int j = o.rank + 1; j < o.size; ++j) {
         if (!state_->peers[j].socket.valid()) missing += (missing.empty() ? "" : ", ") + R(j);
       }
-      throw EngineError("keras-ring: " + me + " waited " + std::to_string(o.timeout.count()) +
-                        " ms for " + missing + " to connect to it at " + address);
+      throw PeerLostError("keras-ring: " + me + " waited " + std::to_string(o.timeout.count()) +
+                          " ms for " + missing + " to connect to it at " + address);
     }
     Clock::time_point wake = deadline;
     for (auto it = accepting.begin(); it != accepting.end();) {
@@ -774,7 +788,7 @@ void TcpWorld::Post(int to, std::shared_ptr<const std::vector<char>> message) {
   EncodeHeader(op->header, kControlFrame, 0, op->bytes);
   std::lock_guard<std::mutex> lock(s.mu);
   s.Queue(to, op);
-  if (!op->error.empty()) throw EngineError(op->error);
+  if (!op->error.empty()) ThrowError(*op);
 }
 
 bool TcpWorld::Receive(int* from, std::vector<char>* message) {
@@ -789,7 +803,7 @@ bool TcpWorld::Receive(int* from, std::vector<char>* message) {
   }
   for (int r = 0; r < s.size; ++r) {
     if (s.peers[r].lost && !s.peers[r].released) {
-      throw EngineError(s.Lost(r, "receiving control messages"));
+      throw PeerLostError(s.Lost(r, "receiving control messages"));
     }
   }
   return false;
@@ -804,7 +818,7 @@ void TcpWorld::Flush() {
       [&] {
         for (int r = 0; r < s.size; ++r) {
           if (s.peers[r].control_lost && !s.peers[r].released) {
-            throw EngineError(s.Lost(r, "flushing control messages"));
+            throw PeerLostError(s.Lost(r, "flushing control messages"));
           }
           if (s.peers[r].control_queued > 0) {
             waiting_for = r;

@@ -1,0 +1,65 @@
+"""The errors of elastic training, raised by the engine and by `kr.elastic`.
+
+They live here, not in `keras_ring.elastic`, because the engine's binding
+raises `WorkerLostError` itself, without importing TensorFlow or Keras.
+"""
+
+
+class WorkerLostError(RuntimeError):
+    """A collective failed because another worker died, hung or left the job.
+
+    This worker is well. Under `keras-ring-run --elastic`, `kr.elastic.run`
+    catches it, restores the last committed state and goes on in a new world
+    with the workers that are left; elsewhere it ends the job. The message
+    names the lost rank and what this rank was doing. Horovod calls it
+    `HorovodInternalError` (an alias in `kr.elastic`).
+    """
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Raised on every rank at the same commit when workers can join or must leave.
+
+    `kr.elastic.run` catches it and re-forms the world without restoring
+    the state: nothing was lost.
+
+    Args:
+        skip_sync: Horovod's argument, kept for its scripts: keras-ring syncs
+            the state after every re-formed world whatever it says, so that
+            old and new workers run the same collectives (horovod#3494).
+    """
+
+    def __init__(self, skip_sync=False):
+        super().__init__("keras-ring: workers are joining or leaving; the world re-forms at "
+                         "this commit")
+        self.skip_sync = skip_sync
+
+
+def worker_lost(error):
+    """Returns `error` as a `WorkerLostError` if it reports a lost worker, else None.
+
+    TensorFlow ops of keras-ring report a lost worker as
+    `tf.errors.UnavailableError` with the engine's message, which starts
+    with "keras-ring:"; the engine's binding raises `WorkerLostError` itself.
+
+    Args:
+        error: An exception.
+
+    Returns:
+        A `WorkerLostError` carrying the engine's message, or None.
+    """
+    if isinstance(error, WorkerLostError):
+        return error
+    tf = _tensorflow_if_loaded()
+    if tf is not None and isinstance(error, tf.errors.UnavailableError):
+        message = getattr(error, "message", str(error))
+        if "keras-ring:" in message:
+            lost = WorkerLostError(message)
+            lost.__cause__ = error
+            return lost
+    return None
+
+
+def _tensorflow_if_loaded():
+    import sys
+
+    return sys.modules.get("tensorflow")
