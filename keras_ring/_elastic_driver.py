@@ -190,8 +190,8 @@ class Policy:
     """The decisions of an elastic job, from events and the clock (module docstring: the rules).
 
     Feed it with `hosts`, `asked`, `exited`, `start_failed` and `interrupt`,
-    then call `step` for what to do; every call takes the time `now` (seconds
-    of a monotonic clock). Nothing here starts or signals a process.
+    then call `step` for what to do; the calls take the time `now` (seconds of
+    a monotonic clock). Nothing here starts or signals a process.
 
     Args:
         np: Workers the first world needs.
@@ -218,6 +218,7 @@ class Policy:
         self.discovery = discovery
         self.rng = rng or random.Random()
         self.workers = []  # in start order
+        self._by_name = {}
         self.generation = -1
         self.lost = []  # (worker, how it ended), in order
         self.exit_code = None  # once the job is ending
@@ -234,7 +235,7 @@ class Policy:
 
     # Events.
 
-    def hosts(self, hosts, now):
+    def hosts(self, hosts):
         """The slots there are now: [(host, slots)], e.g. the discovery script's output."""
         available = {}
         for host, slots in hosts:
@@ -290,8 +291,7 @@ class Policy:
             self._stops = [(now, (signal.SIGKILL,))]
             return
         name = signal.Signals(signum).name
-        self._end(128 + signum, f"keras-ring-run got {name}", now,
-                  f"got {name}: stopping every worker.",
+        self._end(128 + signum, f"keras-ring-run got {name}", f"got {name}: stopping every worker.",
                   [(now, (signal.SIGCONT, signal.SIGTERM)),
                    (now + GRACE_SECONDS, (signal.SIGKILL,))])
 
@@ -429,6 +429,7 @@ class Policy:
                     continue
                 w = Worker(host, slot, len(self.workers), now)
                 self.workers.append(w)
+                self._by_name[w.name] = w
                 self._actions.append(Start(w))
                 active += 1
 
@@ -473,17 +474,17 @@ class Policy:
             self._fail(f"worker {self._finishing.place} finished, but not every worker of "
                        f"generation {self.generation} did", now)
             return
-        self._end(0, "the job has finished", now, None,
+        self._end(0, "the job has finished", None,
                   [(now + REPORT_SECONDS, (signal.SIGCONT, signal.SIGTERM)),
                    (now + REPORT_SECONDS + GRACE_SECONDS, (signal.SIGKILL,))])
 
     def _fail(self, why, now):
         lost = ", ".join(f"{w.place} ({how})" for w, how in self.lost) or "none"
-        self._end(FAILED, why, now, f"the elastic job failed: {why}. Lost workers: {lost}.",
+        self._end(FAILED, why, f"the elastic job failed: {why}. Lost workers: {lost}.",
                   [(now + REPORT_SECONDS, (signal.SIGCONT, signal.SIGTERM)),
                    (now + REPORT_SECONDS + GRACE_SECONDS, (signal.SIGKILL,))])
 
-    def _end(self, code, why, now, message, stops):
+    def _end(self, code, why, message, stops):
         self.exit_code = code
         self._ending_answer = {"removed": why} if code == 0 else {"failed": why}
         self._stops = stops
@@ -501,7 +502,7 @@ class Policy:
 
     def worker(self, name):
         """The `Worker` called `name`, or None."""
-        return next((w for w in self.workers if w.name == name), None)
+        return self._by_name.get(name)
 
     def _say(self, text):
         self._actions.append(Say(text))
@@ -701,7 +702,7 @@ class _Job:
 
     def run(self, hosts):
         policy = self.policy
-        policy.hosts(self._reachable(hosts), time.monotonic())
+        policy.hosts(self._reachable(hosts))
         seen = -1
         while True:
             now = time.monotonic()
@@ -721,7 +722,7 @@ class _Job:
             if self.discovery is not None and policy.exit_code is None:
                 found = self.discovery.poll(now)
                 if found is not None:
-                    policy.hosts(self._reachable(found), now)
+                    policy.hosts(self._reachable(found))
             for action in policy.step(now):
                 self._carry_out(action, now)
             if policy.done:

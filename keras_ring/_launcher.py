@@ -384,7 +384,8 @@ def parse_args(argv, environ=None):
         "the job's rendezvous store on (default: the one that routes to the first host)"
     )
     parser.add_argument(
-        "--prefix-output", action="store_true", help="prefix every output line with its rank"
+        "--prefix-output", action="store_true",
+        help="prefix every output line with its rank (an elastic job's worker: its host:slot)"
     )
     parser.add_argument(
         "--all-output", action="store_true",
@@ -458,7 +459,7 @@ def _add_elastic_arguments(parser):
     elastic.add_argument("--slots", "--slots-per-host", dest="slots", type=int, metavar="N",
                          help="the slots of a host the discovery script prints without them")
     elastic.add_argument("--reset-limit", type=int, metavar="N",
-                         help="fail the job once the world has re-formed N times")
+                         help="the most times the world may re-form; one more fails the job")
     elastic.add_argument("--blacklist-cooldown-range", nargs=2, type=float,
                          metavar=("MIN", "MAX"),
                          help="a host whose worker failed gets no new worker for MIN to MAX "

@@ -4,6 +4,7 @@ the store protocol, no TensorFlow, no engine) that finish, lose a worker, hang, 
 """
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -18,6 +19,8 @@ from keras_ring import _elastic_driver, _launcher
 from keras_ring._elastic_driver import Answer, HostsUpdated, Policy, Say, Signal, Start
 from keras_ring._tcp_jobs import GRACE_SECONDS, REPORT_SECONDS
 
+pytestmark = pytest.mark.timeout(180)
+
 # Decisions.
 
 
@@ -30,7 +33,7 @@ class Sim:
         self.policy = Policy(**settings)
         self.now = 0.0
         self.requests = {}  # worker name -> its next request
-        self.policy.hosts(list(hosts), self.now)
+        self.policy.hosts(list(hosts))
 
     def step(self, at=None):
         if at is not None:
@@ -96,7 +99,7 @@ def test_survivors_keep_their_order_and_newcomers_follow_in_start_order():
     assert got == {"a:1:1": {"generation": 1, "rank": 0, "size": 3},
                    "b:0:2": {"generation": 1, "rank": 1, "size": 3},
                    "b:1:3": {"generation": 1, "rank": 2, "size": 3}}
-    sim.policy.hosts([("a", 2), ("b", 2), ("c", 2)], sim.now)
+    sim.policy.hosts([("a", 2), ("b", 2), ("c", 2)])
     actions = sim.step()
     assert started(actions) == ["c:0:4", "c:1:5"]  # a is blacklisted
     sim.ask("c:1:5", "c:0:4")
@@ -152,7 +155,7 @@ def test_capacity_that_comes_in_time_forms_the_world():
     sim.exit("a:1:1", 1)
     sim.ask("a:0:0")
     sim.step(at=1)
-    sim.policy.hosts([("a", 2), ("b", 1)], 30)
+    sim.policy.hosts([("a", 2), ("b", 1)])
     assert started(sim.step(at=30)) == ["b:0:2"]
     got = sim.world(["b:0:2"])
     assert ranks(got) == {"a:0:0": 0, "b:0:2": 1}
@@ -260,7 +263,7 @@ def test_a_removed_host_leaves_at_the_next_world_and_is_not_a_failure():
     sim = Sim(hosts=[("a", 1), ("b", 2)], np=3, min_np=1, max_np=None, discovery=True)
     sim.step()
     sim.world(["a:0:0", "b:0:1", "b:1:2"])
-    sim.policy.hosts([("a", 1), ("b", 1)], 5)
+    sim.policy.hosts([("a", 1), ("b", 1)])
     actions = sim.step(at=5)
     assert "worker b:1 leaves the job: host b has 1 slots now" in said(actions)
     assert [a for a in actions if isinstance(a, HostsUpdated)] == [
@@ -270,7 +273,7 @@ def test_a_removed_host_leaves_at_the_next_world_and_is_not_a_failure():
     assert ranks(got) == {"a:0:0": 0, "b:0:1": 1}
     sim.exit("b:1:2", 0)
     # A host that leaves the output: its member does not ask, and is killed, not counted.
-    sim.policy.hosts([("a", 1)], 20)
+    sim.policy.hosts([("a", 1)])
     sim.step(at=20)
     sim.ask("a:0:0")
     actions = sim.step(at=30)
@@ -278,7 +281,7 @@ def test_a_removed_host_leaves_at_the_next_world_and_is_not_a_failure():
     assert ranks(answers(actions)) == {"a:0:0": 0}
     assert sim.policy.lost == []
     sim.exit("b:0:1", -9)
-    sim.policy.hosts([("a", 1), ("b", 2)], 40)
+    sim.policy.hosts([("a", 1), ("b", 2)])
     assert started(sim.step(at=40)) == ["b:0:3", "b:1:4"]  # b was never blacklisted
 
 
@@ -501,6 +504,20 @@ class Job:
         self.wait_for(pattern)
         return int(re.findall(pattern, self.output, re.MULTILINE)[-1])
 
+    def kill(self):
+        """Kills the driver and what is left of the job; returns the pids that were left."""
+        left = leftovers(self.process.pid)
+        for pid in left:
+            for signum in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.reader.join(timeout=10)
+        self.process.stdout.close()
+        return left
+
     def finishes(self):
         """Lets the workers finish; checks that the job ends with 0; returns its output."""
         self.finish.write_text("")
@@ -517,16 +534,7 @@ class Job:
             pass
         took = time.monotonic() - started
         timed_out = self.process.returncode is None
-        left = leftovers(self.process.pid)
-        for pid in left:
-            for signum in (signal.SIGCONT, signal.SIGKILL):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        self.reader.join(timeout=10)
-        self.process.stdout.close()
+        left = self.kill()
         if timed_out:
             pytest.fail(f"the job ran past {JOB_LIMIT_SECONDS} s:\n{self.output}")
         assert not left, f"left running: {sorted(left)}\n{self.output}"
@@ -561,13 +569,9 @@ def job(tmp_path):
         return jobs[-1]
 
     yield start
-    for j in jobs:  # after a failed test: its job, at the least, ends
-        if j.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(j.process.pid, signal.SIGKILL)
-            j.process.wait()
-        j.reader.join(timeout=10)
-        j.process.stdout.close()
+    for j in jobs:
+        if not j.process.stdout.closed:  # a test that failed before the job's end
+            j.kill()
 
 
 # Short enough for quick tests, long enough for a busy 2-core machine to start Python.
@@ -575,14 +579,18 @@ FAST = {"KERAS_RING_TIMEOUT": "3"}
 
 
 def test_every_worker_finishes(job):
-    j = job("--elastic", "-np", "3", env=FAST)
+    # Variables a worker must not inherit: each world's rank and size come from the store.
+    j = job("--elastic", "-np", "3", env={**FAST, "KERAS_RING_RANK": "7", "KERAS_RING_SIZE": "9"})
     j.wait_for(r"keras-ring-run: generation 0: 3 workers "
                r"\(localhost:0=0, localhost:1=1, localhost:2=2\)")
     j.wait_for(r"worker localhost:2:2 generation 0 rank 2 size 3 step 0")
     output = j.finishes()
     assert len(re.findall(r"^worker localhost:\d:\d finished at step", output, re.MULTILINE)) == 3
-    for name in ("KERAS_RING_RANK", "KERAS_RING_SIZE"):
-        assert name not in output
+    envs = re.findall(r"^worker localhost:\d:\d env (.*)$", output, re.MULTILINE)
+    # The worker waits longer than the driver may take to answer: 600 + 3 + 10 s.
+    assert [json.loads(e) for e in envs] == [{
+        "KERAS_RING_ELASTIC": "1", "KERAS_RING_ELASTIC_TIMEOUT": "613.0",
+        "KERAS_RING_RANK": None, "KERAS_RING_SIZE": None, "KERAS_RING_TRANSPORT": "tcp"}] * 3
 
 
 def test_a_killed_worker_leaves_a_world_of_the_others_which_finish(job):

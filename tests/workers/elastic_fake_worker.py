@@ -8,7 +8,8 @@ member asks again, as at a commit) or "finish" (every member exits 0). A member 
 peer whose process has died, or for longer than KERAS_RING_TIMEOUT, asks for a new world, as
 the engine's WorkerLostError would make it. A new world starts at the step its rank 0 was at.
 
-Lines it prints (stdout): `worker W pid P`, `worker W generation G rank R size N step S`,
+Lines it prints (stdout): `worker W pid P`, `worker W env {...}` (the protocol's variables,
+as JSON), `worker W generation G rank R size N step S`,
 `worker W finished at step S`, `worker W removed: why`, `worker W failed: why`.
 With FAKE_SHM=1 it leaves a file in /dev/shm named as the engine names its segments.
 """
@@ -22,6 +23,9 @@ from keras_ring._rendezvous import RendezvousClient
 
 STEP_SECONDS = 0.05
 POLL_SECONDS = 0.2
+# The variables of the elastic protocol, which it prints.
+ENV = ("KERAS_RING_TRANSPORT", "KERAS_RING_ELASTIC", "KERAS_RING_ELASTIC_TIMEOUT",
+       "KERAS_RING_RANK", "KERAS_RING_SIZE")
 
 worker = os.environ["KERAS_RING_WORKER"]
 timeout = float(os.environ.get("KERAS_RING_TIMEOUT") or 300)
@@ -71,6 +75,7 @@ def gather(g, key, rank, size, value, pids):
 
 def main():
     say(f"pid {os.getpid()}")
+    say("env " + json.dumps({name: os.environ.get(name) for name in ENV}, sort_keys=True))
     if os.environ.get("FAKE_SHM") == "1":
         open(f"/dev/shm/kr-{os.getpid()}x{os.urandom(8).hex()}-0", "w").close()
     request, generation, why, step = 0, -1, "", 0
