@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from netns_hosts import IFACE
 
 from keras_ring import _elastic_driver, _launcher
 from keras_ring._elastic_driver import Answer, HostsUpdated, Policy, Say, Signal, Start
@@ -456,14 +457,14 @@ WAIT_SECONDS = 60
 
 
 class Job:
-    """`keras-ring-run --elastic ... python elastic_fake_worker.py` in its own session, its
-    output (stdout and stderr) read on a thread."""
+    """`keras-ring-run --elastic ... python elastic_fake_worker.py` in its own session (after
+    `prefix`, e.g. `ip netns exec NAMESPACE`), its output (stdout and stderr) read on a thread."""
 
-    def __init__(self, tmp_path, *argv, env=None):
+    def __init__(self, tmp_path, *argv, env=None, prefix=()):
         self.finish = tmp_path / "finish"
         environ = {**os.environ, "FAKE_FINISH": str(self.finish), **(env or {})}
         self.process = subprocess.Popen(
-            [RUN, *argv, "--", sys.executable, FAKE_WORKER], env=environ,
+            [*prefix, RUN, *argv, "--", sys.executable, FAKE_WORKER], env=environ,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)
         self.lines = []
@@ -564,8 +565,8 @@ def leftovers(driver_pid):
 def job(tmp_path):
     jobs = []
 
-    def start(*argv, env=None):
-        jobs.append(Job(tmp_path, *argv, env=env))
+    def start(*argv, env=None, prefix=()):
+        jobs.append(Job(tmp_path, *argv, env=env, prefix=prefix))
         return jobs[-1]
 
     yield start
@@ -706,3 +707,19 @@ def test_a_bad_discovery_script_is_fatal_on_its_first_run(capfd):
             "'localhost'") in capfd.readouterr().err
     assert _launcher.main(["-np", "1", "--host-discovery-script", "exit 3", "ls"]) == 2
     assert "the host discovery script 'exit 3' exited with code 3" in capfd.readouterr().err
+
+
+def test_workers_on_other_hosts_through_the_remote_shell(job, netns_hosts):
+    # Hosts of network namespaces (tests/netns_hosts.py; skipped without root).
+    spec = ",".join(f"{h}:1" for h in netns_hosts.hosts)
+    j = job("--elastic", "-np", "3", "--min-np", "2", "-H", spec, "--network-interface", IFACE,
+            env={**netns_hosts.env(), **FAST}, prefix=netns_hosts.exec_prefix(0))
+    j.wait_for(r"generation 0: 3 workers \(host0:0=0, host1:0=1, host2:0=2\)")
+    j.wait_for(r"worker host1:0:1 generation 0 rank 1 size 3")
+    os.kill(j.pid("host1:0"), signal.SIGKILL)  # the hosts share the machine's pids
+    j.wait_for(r"lost worker host1:0 \(rank 1 of generation 0\): died of signal 9")
+    j.wait_for(r"generation 1: 2 workers \(host0:0=0, host2:0=1\)")
+    j.wait_for(r"worker host2:0:2 generation 1 rank 1 size 2")
+    j.finishes()
+    assert not netns_hosts.pids()
+    assert not netns_hosts.shm_left()
