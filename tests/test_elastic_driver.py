@@ -575,28 +575,31 @@ def job(tmp_path):
             j.kill()
 
 
-# Short enough for quick tests, long enough for a busy 2-core machine to start Python.
+# How long a member may take to ask once another has: long enough for a busy 2-core machine
+# not to drop a worker that is only slow; short where a stopped worker is to be dropped.
+STEADY = {"KERAS_RING_TIMEOUT": "30"}
 FAST = {"KERAS_RING_TIMEOUT": "3"}
 
 
 def test_every_worker_finishes(job):
     # Variables a worker must not inherit: each world's rank and size come from the store.
-    j = job("--elastic", "-np", "3", env={**FAST, "KERAS_RING_RANK": "7", "KERAS_RING_SIZE": "9"})
+    j = job("--elastic", "-np", "3",
+            env={**STEADY, "KERAS_RING_RANK": "7", "KERAS_RING_SIZE": "9"})
     j.wait_for(r"keras-ring-run: generation 0: 3 workers "
                r"\(localhost:0=0, localhost:1=1, localhost:2=2\)")
     j.wait_for(r"worker localhost:2:2 generation 0 rank 2 size 3 step 0")
     output = j.finishes()
     assert len(re.findall(r"^worker localhost:\d:\d finished at step", output, re.MULTILINE)) == 3
     envs = re.findall(r"^worker localhost:\d:\d env (.*)$", output, re.MULTILINE)
-    # The worker waits longer than the driver may take to answer: 600 + 3 + 10 s.
+    # The worker waits longer than the driver may take to answer: 600 + 30 + 10 s.
     assert [json.loads(e) for e in envs] == [{
-        "KERAS_RING_ELASTIC": "1", "KERAS_RING_ELASTIC_TIMEOUT": "613.0",
+        "KERAS_RING_ELASTIC": "1", "KERAS_RING_ELASTIC_TIMEOUT": "640.0",
         "KERAS_RING_RANK": None, "KERAS_RING_SIZE": None, "KERAS_RING_TRANSPORT": "tcp"}] * 3
 
 
 def test_a_killed_worker_leaves_a_world_of_the_others_which_finish(job):
     j = job("--elastic", "-np", "3", "--min-np", "2", "--prefix-output", env={
-        **FAST, "FAKE_SHM": "1"})
+        **STEADY, "FAKE_SHM": "1"})
     j.wait_for(r"generation 0: 3 workers")
     j.wait_for(r"\[localhost:0\] worker localhost:0:0 generation 0 rank 0 size 3")
     os.kill(j.pid("localhost:1"), signal.SIGKILL)
@@ -627,7 +630,7 @@ def _hosts_script(tmp_path, text):
 def test_a_job_whose_hosts_all_leave_fails_after_the_elastic_timeout(job, tmp_path):
     hosts, script = _hosts_script(tmp_path, "localhost:2\n")
     j = job("-np", "2", "--min-np", "2", "--host-discovery-script", script,
-            "--elastic-timeout", "2", env=FAST)
+            "--elastic-timeout", "2", env=STEADY)
     j.wait_for(r"worker localhost:1:1 generation 0 rank 1 size 2")
     hosts.write_text("")  # no capacity comes back
     code, output, _ = j.end()
@@ -641,7 +644,7 @@ def test_a_job_whose_hosts_all_leave_fails_after_the_elastic_timeout(job, tmp_pa
 def test_below_min_np_after_a_kill_the_job_fails_within_the_elastic_timeout(job, tmp_path):
     _, script = _hosts_script(tmp_path, "localhost:2\n")
     j = job("-np", "2", "--min-np", "2", "--host-discovery-script", script,
-            "--elastic-timeout", "3", env=FAST)
+            "--elastic-timeout", "3", env=STEADY)
     j.wait_for(r"worker localhost:1:1 generation 0 rank 1 size 2")
     killed = time.monotonic()
     os.kill(j.pid("localhost:1"), signal.SIGKILL)
@@ -658,7 +661,7 @@ def test_below_min_np_after_a_kill_the_job_fails_within_the_elastic_timeout(job,
 
 def test_a_discovery_script_whose_output_changes_grows_and_shrinks_the_job(job, tmp_path):
     hosts, script = _hosts_script(tmp_path, "localhost:2\n")
-    j = job("-np", "2", "--min-np", "1", "--host-discovery-script", script, env=FAST)
+    j = job("-np", "2", "--min-np", "1", "--host-discovery-script", script, env=STEADY)
     j.wait_for(r"generation 0: 2 workers \(localhost:0=0, localhost:1=1\)")
     hosts.write_text("# a comment\nlocalhost:3\n")
     j.wait_for(r"generation 1: 3 workers \(localhost:0=0, localhost:1=1, localhost:2=2\)")
@@ -671,7 +674,7 @@ def test_a_discovery_script_whose_output_changes_grows_and_shrinks_the_job(job, 
 
 
 def test_the_reset_limit_ends_the_job(job):
-    j = job("--elastic", "-np", "3", "--min-np", "1", "--reset-limit", "0", env=FAST)
+    j = job("--elastic", "-np", "3", "--min-np", "1", "--reset-limit", "0", env=STEADY)
     j.wait_for(r"worker localhost:1:1 generation 0 rank 1 size 3")
     os.kill(j.pid("localhost:1"), signal.SIGKILL)
     code, output, _ = j.end()
@@ -682,7 +685,7 @@ def test_the_reset_limit_ends_the_job(job):
 
 def test_a_fixed_pool_grows_back_after_the_cooldown(job):
     j = job("--elastic", "-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "1", "1",
-            env=FAST)
+            env=STEADY)
     j.wait_for(r"worker localhost:1:1 generation 0 rank 1 size 2")
     os.kill(j.pid("localhost:1"), signal.SIGKILL)
     j.wait_for(r"host localhost is blacklisted for 1.0 s")
@@ -692,7 +695,7 @@ def test_a_fixed_pool_grows_back_after_the_cooldown(job):
 
 
 def test_a_signal_to_the_driver_ends_every_worker(job):
-    j = job("--elastic", "-np", "2", env=FAST)
+    j = job("--elastic", "-np", "2", env=STEADY)
     j.wait_for(r"worker localhost:1:1 generation 0 rank 1 size 2")
     os.kill(j.pid("localhost:0"), signal.SIGSTOP)  # a stopped one too
     os.kill(j.process.pid, signal.SIGTERM)
@@ -713,7 +716,7 @@ def test_workers_on_other_hosts_through_the_remote_shell(job, netns_hosts):
     # Hosts of network namespaces (tests/netns_hosts.py; skipped without root).
     spec = ",".join(f"{h}:1" for h in netns_hosts.hosts)
     j = job("--elastic", "-np", "3", "--min-np", "2", "-H", spec, "--network-interface", IFACE,
-            env={**netns_hosts.env(), **FAST}, prefix=netns_hosts.exec_prefix(0))
+            env={**netns_hosts.env(), **STEADY}, prefix=netns_hosts.exec_prefix(0))
     j.wait_for(r"generation 0: 3 workers \(host0:0=0, host1:0=1, host2:0=2\)")
     j.wait_for(r"worker host1:0:1 generation 0 rank 1 size 3")
     os.kill(j.pid("host1:0"), signal.SIGKILL)  # the hosts share the machine's pids
