@@ -19,11 +19,12 @@ Rules, as implemented:
   the next world forms once every started worker has asked, or
   `KERAS_RING_TIMEOUT` after the driver began to need a world without those
   that have not (they join later). The first world needs `-np` workers,
-  later ones `--min-np`. While a world trains, the next forms once every member still
-  alive has asked; a member that has not asked `KERAS_RING_TIMEOUT` after the
-  first member did is dropped (SIGCONT, SIGKILL) as a failure of its host.
-  Members are ranked survivors first, in their old rank order, then newcomers
-  in the order they started.
+  later ones `--min-np`.
+- While a world trains, the next forms once every member still alive has
+  asked; a member that has not asked `KERAS_RING_TIMEOUT` after the first
+  member did is dropped (SIGCONT, SIGKILL) as a failure of its host. Members
+  are ranked survivors first, in their old rank order, then newcomers in the
+  order they started.
 - A newcomer ready while the world trains, or a member whose slot left the
   discovery output, makes the driver write `elastic/hosts_updated/<g>`. A
   worker whose slot left gets `{"removed": why}` once it asks (a member: once
@@ -388,7 +389,7 @@ class Policy:
                       f"to {self.elastic_timeout:g} s (--elastic-timeout) for more")
         waiting = ", ".join(w.place for w in ready) or "none"
         what = "-np" if self.generation < 0 else "--min-np"
-        if not self._may_grow(now):
+        if not self._may_grow():
             self._fail(f"{len(ready)} workers are ready, fewer than {what} {needed}, and no "
                        f"more can start (every free slot's host is blacklisted); waiting: "
                        f"{waiting}", now)
@@ -396,7 +397,7 @@ class Policy:
             self._fail(f"fewer than {what} {needed} workers for {self.elastic_timeout:g} s "
                        f"(--elastic-timeout); waiting: {waiting}", now)
 
-    def _may_grow(self, now):
+    def _may_grow(self):
         if self.discovery or any(w.active and w.request is None for w in self.workers):
             return True
         held = {(w.host, w.slot) for w in self.workers if w.active}
