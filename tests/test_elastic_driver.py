@@ -248,6 +248,26 @@ def test_a_member_that_does_not_ask_in_time_is_dropped_as_a_failure():
     assert len(sim.policy.lost) == 1
 
 
+def test_a_worker_lost_during_the_recovery_is_left_out_of_it_and_of_the_next():
+    sim = Sim(np=3, min_np=1)
+    sim.step()
+    sim.world(["h:0:0", "h:1:1", "h:2:2"])
+    sim.exit("h:0:0", -9)
+    sim.ask("h:1:1")
+    assert answers(sim.step(at=1)) == {}  # h:2 has not asked yet
+    sim.exit("h:2:2", -9)  # killed before it did
+    assert answers(sim.step(at=2)) == {"h:1:1": {"generation": 1, "rank": 0, "size": 1}}
+    # Killed after its answer, before it joined: the others ask again, and form without it.
+    sim = Sim(np=3, min_np=1)
+    sim.step()
+    sim.world(["h:0:0", "h:1:1", "h:2:2"])
+    sim.exit("h:0:0", -9)
+    assert ranks(sim.world(["h:1:1", "h:2:2"])) == {"h:1:1": 0, "h:2:2": 1}
+    sim.exit("h:1:1", -9)
+    assert sim.world(["h:2:2"]) == {"h:2:2": {"generation": 2, "rank": 0, "size": 1}}
+    assert [w.place for w, _ in sim.policy.lost] == ["h:0", "h:1"]
+
+
 def test_a_newcomer_that_never_asks_delays_the_first_world_by_the_timeout_only():
     sim = Sim(np=2, min_np=2)
     sim.step()
