@@ -73,6 +73,10 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
 
     A script started without a launcher is a job of size 1. Calling `init()`
     again while initialised does nothing; after `shutdown()` it starts again.
+    In a worker of an elastic job (`keras-ring-run --elastic`), `init()` asks
+    the job's driver for the world to join, its rank and its size, and waits
+    for the answer up to `KERAS_RING_ELASTIC_TIMEOUT` seconds; a worker the
+    driver removes exits here with code 0.
     Each setting left `None` comes from its environment variable
     (`KERAS_RING_FUSION_THRESHOLD`, ...; Horovod's `HOROVOD_*` names are read
     too); a value given here holds for this `init()` only and leaves the
@@ -106,6 +110,8 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
 
     Raises:
         ValueError: if `comm` is given, or a process set is invalid.
+        keras_ring.elastic.WorkerLostError: if a rank of the new world was
+            lost while it was being set up (elastic jobs start it again).
         RuntimeError: if the job was started by a different MPI than the one
             keras-ring was built against, or MPI cannot start.
 

@@ -4,6 +4,9 @@ They live here, not in `keras_ring.elastic`, because the engine's binding
 raises `WorkerLostError` itself, without importing TensorFlow or Keras.
 """
 
+import re
+import sys
+
 
 class WorkerLostError(RuntimeError):
     """A collective failed because another worker died, hung or left the job.
@@ -39,27 +42,24 @@ def worker_lost(error):
 
     TensorFlow ops of keras-ring report a lost worker as
     `tf.errors.UnavailableError` with the engine's message, which starts
-    with "keras-ring:"; the engine's binding raises `WorkerLostError` itself.
+    with "keras-ring:" (TensorFlow adds its own words around it); the
+    engine's binding raises `WorkerLostError` itself.
 
     Args:
         error: An exception.
 
     Returns:
-        A `WorkerLostError` carrying the engine's message, or None.
+        A `WorkerLostError` with the engine's message alone, or None.
     """
     if isinstance(error, WorkerLostError):
         return error
-    tf = _tensorflow_if_loaded()
+    tf = sys.modules.get("tensorflow")
     if tf is not None and isinstance(error, tf.errors.UnavailableError):
-        message = getattr(error, "message", str(error))
-        if "keras-ring:" in message:
-            lost = WorkerLostError(message)
+        # TensorFlow wraps the engine's message: "{{function_node ...}} keras-ring: ... [Op:...]".
+        found = re.search(r"keras-ring:.*?(?=\s*\[Op:|\s*\Z)", getattr(error, "message", ""),
+                          re.DOTALL)
+        if found:
+            lost = WorkerLostError(found[0])
             lost.__cause__ = error
             return lost
     return None
-
-
-def _tensorflow_if_loaded():
-    import sys
-
-    return sys.modules.get("tensorflow")

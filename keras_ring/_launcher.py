@@ -67,6 +67,9 @@ _OPEN_MPI_LOOPBACK_ENV = {
 # The remote shell that starts ranks on other hosts: --remote-shell, else this variable, else the
 # MPI launcher's own choice (ssh, or a resource manager's launcher inside an allocation).
 REMOTE_SHELL_VARIABLE = "KERAS_RING_REMOTE_SHELL"
+# Elastic jobs: how long the driver waits for enough workers, unless --elastic-timeout says.
+ELASTIC_TIMEOUT_VARIABLES = ("KERAS_RING_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT")
+DEFAULT_ELASTIC_TIMEOUT_SECONDS = 600
 # Variables Open MPI must not copy to other hosts (`-x`): they describe this shell.
 _LOCAL_ONLY_ENV = frozenset(["_", "PWD", "OLDPWD", "SHLVL", "HOSTNAME", "HOME"])
 # Signals passed on to the launcher. Hydra and the forker stop their ranks on
@@ -342,7 +345,11 @@ def parse_args(argv, environ=None):
         or `None`), `hostfile`, `remote_shell` (a command, or `None` for the
         MPI launcher's default), `transport` (`"mpi"` or `"tcp"`),
         `network_interface`, `prefix_output`, `all_output`, `verbose`,
-        `settings` and `command`.
+        `settings`, `command`, and the elastic job's: `elastic` (whether it
+        is one; then `transport` is `"tcp"`), `min_np`, `max_np` (`None`: no
+        bound), `host_discovery_script`, `slots`, `reset_limit`,
+        `blacklist_cooldown_range` (`(min, max)` seconds or `None`) and
+        `elastic_timeout` (seconds).
 
     Raises:
         LaunchError: on a missing or invalid argument.
@@ -353,7 +360,8 @@ def parse_args(argv, environ=None):
         "keras-ring was built with.",
         allow_abbrev=False,
     )
-    parser.add_argument("-np", type=int, required=True, help="number of ranks")
+    parser.add_argument("-np", type=int,
+                        help="number of ranks (elastic: the first world's; default --min-np)")
     parser.add_argument(
         "-H", dest="hosts", metavar="HOST:SLOTS,...", help="hosts and their slots, e.g. a:4,b:4"
     )
@@ -376,7 +384,8 @@ def parse_args(argv, environ=None):
         "the job's rendezvous store on (default: the one that routes to the first host)"
     )
     parser.add_argument(
-        "--prefix-output", action="store_true", help="prefix every output line with its rank"
+        "--prefix-output", action="store_true",
+        help="prefix every output line with its rank (an elastic job's worker: its host:slot)"
     )
     parser.add_argument(
         "--all-output", action="store_true",
@@ -403,10 +412,15 @@ def parse_args(argv, environ=None):
                            action="store_false", help="across hosts: one flat allreduce")
     tuning.add_argument("--no-stall-check", action="store_true",
                         help="no stall warnings (nor the shutdown after a stall)")
+    _add_elastic_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command of every rank")
     options = parser.parse_args(argv)
     if options.command[:1] == ["--"]:
         options.command = options.command[1:]
+    environ = os.environ if environ is None else environ
+    _check_elastic(options, parser, environ)
+    if options.np is None:
+        parser.error("the following arguments are required: -np")
     if options.np < 1:
         parser.error(f"-np must be at least 1. Received: -np={options.np}")
     if not options.command:
@@ -415,7 +429,6 @@ def parse_args(argv, environ=None):
         parser.error("give -H or --hostfile, not both.")
     if options.hosts is not None:
         options.hosts = _parse_hosts(options.hosts, parser)
-    environ = os.environ if environ is None else environ
     if options.transport is None:
         options.transport = environ.get("KERAS_RING_TRANSPORT") or "mpi"
         if options.transport not in ("mpi", "tcp"):
@@ -427,6 +440,100 @@ def parse_args(argv, environ=None):
         parser.error("--remote-shell needs a command, e.g. --remote-shell ssh.")
     options.settings = _settings(options, parser)
     return options
+
+
+def _add_elastic_arguments(parser):
+    elastic = parser.add_argument_group(
+        "elastic", "as horovodrun's: workers may come and go, the job goes on "
+        "(docs/launching.md; implies --transport tcp)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="an elastic job (also turned on by --min-np or "
+                         "--host-discovery-script)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="N",
+                         help="the fewest workers training goes on with (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="N",
+                         help="the most workers (default: -np, or every discovered slot)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="a command that prints the hosts there are now, a `host:slots` "
+                         "line each (or `host`, with --slots); run every second")
+    elastic.add_argument("--slots", "--slots-per-host", dest="slots", type=int, metavar="N",
+                         help="the slots of a host the discovery script prints without them")
+    elastic.add_argument("--reset-limit", type=int, metavar="N",
+                         help="the most times the world may re-form; one more fails the job")
+    elastic.add_argument("--blacklist-cooldown-range", nargs=2, type=float,
+                         metavar=("MIN", "MAX"),
+                         help="a host whose worker failed gets no new worker for MIN to MAX "
+                         "seconds, longer each time (default: for the rest of the job)")
+    elastic.add_argument("--elastic-timeout", type=float, metavar="SECONDS",
+                         help="how long to wait for enough workers before failing the job "
+                         f"(default: ${ELASTIC_TIMEOUT_VARIABLES[0]}, "
+                         f"${ELASTIC_TIMEOUT_VARIABLES[1]}, else "
+                         f"{DEFAULT_ELASTIC_TIMEOUT_SECONDS:g})")
+
+
+def _check_elastic(options, parser, environ):
+    """Checks the elastic options and fills in their defaults (`options.elastic` tells)."""
+    options.elastic = bool(options.elastic or options.min_np is not None
+                           or options.host_discovery_script is not None)
+    if not options.elastic:
+        for flag in ("max_np", "slots", "reset_limit", "blacklist_cooldown_range",
+                     "elastic_timeout"):
+            if getattr(options, flag) is not None:
+                parser.error(f"--{flag.replace('_', '-')} is for elastic jobs: add --elastic.")
+        return
+    if options.transport == "mpi":
+        parser.error("an elastic job runs over the TCP world (keras-ring-run starts and "
+                     "replaces its workers itself). Received: --transport mpi; leave it out.")
+    options.transport = "tcp"
+    if options.np is None:
+        options.np = options.min_np
+    if options.np is None:
+        parser.error("an elastic job needs -np or --min-np.")
+    if options.min_np is None:
+        options.min_np = options.np
+    for flag in ("np", "min_np", "max_np", "slots"):
+        value = getattr(options, flag)
+        if value is not None and value < 1:
+            name = "-np" if flag == "np" else f"--{flag.replace('_', '-')}"
+            parser.error(f"{name} must be at least 1. Received: {name}={value}")
+    discovery = options.host_discovery_script is not None
+    if options.max_np is None and not discovery:
+        options.max_np = options.np
+    if options.min_np > options.np:
+        parser.error(f"--min-np must be at most -np. Received: --min-np={options.min_np}, "
+                     f"-np={options.np}")
+    if options.max_np is not None and options.max_np < options.np:
+        parser.error(f"--max-np must be at least -np. Received: --max-np={options.max_np}, "
+                     f"-np={options.np}")
+    if discovery and (options.hosts is not None or options.hostfile is not None):
+        parser.error("give --host-discovery-script or -H/--hostfile, not both.")
+    if discovery and not options.host_discovery_script.strip():
+        parser.error("--host-discovery-script needs a command.")
+    if options.slots is not None and not discovery:
+        parser.error("--slots is the slots of hosts the discovery script prints without "
+                     "them; give -H host:slots without --host-discovery-script.")
+    if options.reset_limit is not None and options.reset_limit < 0:
+        parser.error(f"--reset-limit must be 0 or more. Received: "
+                     f"--reset-limit={options.reset_limit}")
+    cooldown = options.blacklist_cooldown_range
+    if cooldown is not None:
+        if not 0 < cooldown[0] <= cooldown[1] < float("inf"):
+            parser.error(f"--blacklist-cooldown-range takes MIN MAX with 0 < MIN <= MAX. "
+                         f"Received: --blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}")
+        options.blacklist_cooldown_range = tuple(cooldown)
+    if options.elastic_timeout is None:
+        text = next((environ[v] for v in ELASTIC_TIMEOUT_VARIABLES if environ.get(v)), None)
+        try:
+            options.elastic_timeout = (DEFAULT_ELASTIC_TIMEOUT_SECONDS if text is None
+                                       else float(text))
+        except ValueError:
+            options.elastic_timeout = float("nan")
+        where = f"{ELASTIC_TIMEOUT_VARIABLES[0]} (or {ELASTIC_TIMEOUT_VARIABLES[1]})={text}"
+    else:
+        where = f"--elastic-timeout={options.elastic_timeout:g}"
+    if not 0 < options.elastic_timeout < float("inf"):
+        parser.error(f"the elastic timeout must be a number of seconds more than 0. "
+                     f"Received: {where}")
 
 
 def _settings(options, parser):
@@ -1064,6 +1171,11 @@ def main(argv=None):
     """
     try:
         options = parse_args(sys.argv[1:] if argv is None else argv)
+        if options.elastic:
+            from keras_ring import _elastic_driver
+
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **options.settings}
+            return _elastic_driver.run_elastic_job(options, env)
         if options.transport == "tcp":
             from keras_ring import _tcp_jobs
 

@@ -32,6 +32,11 @@ bytes and values at most `MAX_VALUE_BYTES`; a later set of a key replaces
 its value. The handshake must finish within `handshake_timeout` seconds and
 each later request come within `idle_timeout` seconds of the previous reply.
 
+The process that serves the store reads and writes it directly, without a
+connection (`get`, `set`, `keys`, `changes`, `wait_for_change`): the elastic
+driver (`_elastic_driver.py`) decides from what the workers write and
+answers them so.
+
 Example:
 
     import secrets
@@ -165,6 +170,7 @@ class RendezvousServer:
         self._changed = threading.Condition(self._lock)
         self._values = {}  # guarded by _lock, as is everything below
         self._stored_bytes = 0
+        self._changes = 0  # sets so far, from clients and from this process
         self._connections = {}  # socket -> its thread
         self._stopping = False
 
@@ -205,6 +211,87 @@ class RendezvousServer:
             thread.join()
         self._listener.close()
         self._listener = None
+
+    # In-process access for the launcher that serves the store. Keys are text (UTF-8), values
+    # bytes.
+
+    def get(self, key):
+        """The value of `key`, read in this process without waiting.
+
+        Args:
+            key: The key (str).
+
+        Returns:
+            The value (bytes), or None if `key` is not set.
+        """
+        with self._lock:
+            return self._values.get(key.encode())
+
+    def set(self, key, value):
+        """Sets `key` to `value`, as a client's set does, waking the gets that wait for it.
+
+        Args:
+            key: The key (str, 1 to `MAX_KEY_BYTES` bytes in UTF-8).
+            value: The value (bytes, at most `MAX_VALUE_BYTES`).
+
+        Raises:
+            TypeError: If `value` is not bytes.
+            ValueError: If the key or the value is too long or empty, or the
+                store is full.
+        """
+        if not isinstance(value, bytes):
+            raise TypeError(f"value must be bytes. Received: value of type "
+                            f"{type(value).__name__}")
+        encoded = key.encode()
+        if not 0 < len(encoded) <= MAX_KEY_BYTES:
+            raise ValueError(f"a key must have 1 to {MAX_KEY_BYTES} bytes. "
+                             f"Received: a key of {len(encoded)} bytes")
+        refusal = self._store(encoded, value)
+        if refusal is not None:
+            raise ValueError(f"cannot set {key!r}: {refusal}")
+
+    def keys(self, prefix=""):
+        """The keys set so far that start with `prefix`, sorted.
+
+        Args:
+            prefix: What the keys start with (str); all keys by default.
+
+        Returns:
+            A list of str (keys that are not UTF-8 are left out).
+        """
+        start = prefix.encode()
+        with self._lock:
+            found = [k for k in self._values if k.startswith(start)]
+        keys = []
+        for key in sorted(found):
+            try:
+                keys.append(key.decode())
+            except UnicodeDecodeError:
+                continue
+        return keys
+
+    @property
+    def changes(self):
+        """How many sets the store has had so far (from clients and `set`)."""
+        with self._lock:
+            return self._changes
+
+    def wait_for_change(self, seen, timeout):
+        """Waits until the store has had more than `seen` sets, at most `timeout` seconds.
+
+        Args:
+            seen: A value of `changes` read earlier.
+            timeout: The most seconds to wait (0: do not wait).
+
+        Returns:
+            `changes` now: more than `seen` if a set came in time (or had
+            come already), `seen` otherwise. It returns early, unchanged,
+            once the server is stopping.
+        """
+        with self._lock:
+            self._changed.wait_for(lambda: self._changes != seen or self._stopping,
+                                   timeout=max(timeout, 0))
+            return self._changes
 
     def __enter__(self):
         self.start()
@@ -289,19 +376,8 @@ class RendezvousServer:
             (key_size,) = struct.unpack("!H", request[1:3])
             key, value = request[3:3 + key_size], request[3 + key_size:]
             self._check_key(key, key_size)
-            if len(value) > MAX_VALUE_BYTES:
-                return _ERROR + (f"a value of {len(value)} bytes; at most {MAX_VALUE_BYTES} "
-                                 "are allowed").encode()
-            with self._lock:
-                old = self._values.get(key)
-                grown = len(key) + len(value) - (0 if old is None else len(key) + len(old))
-                if self._stored_bytes + grown > self._max_store_bytes:
-                    return _ERROR + (f"the store is full: it holds at most "
-                                     f"{self._max_store_bytes} bytes").encode()
-                self._values[key] = value
-                self._stored_bytes += grown
-                self._changed.notify_all()
-            return _OK
+            refusal = self._store(key, value)
+            return _OK if refusal is None else _ERROR + refusal.encode()
         if op == b"G" and len(request) >= 7:
             timeout_ms, key_size = struct.unpack("!IH", request[1:7])
             key = request[7:]
@@ -312,6 +388,21 @@ class RendezvousServer:
                 value = self._values.get(key)
             return _NOT_SET if value is None else _OK + value
         raise _Refused(f"it sent a malformed request of {len(request)} bytes")
+
+    def _store(self, key, value):
+        """Sets `key` to `value`; returns why it cannot (a message), or None once set."""
+        if len(value) > MAX_VALUE_BYTES:
+            return f"a value of {len(value)} bytes; at most {MAX_VALUE_BYTES} are allowed"
+        with self._lock:
+            old = self._values.get(key)
+            grown = len(key) + len(value) - (0 if old is None else len(key) + len(old))
+            if self._stored_bytes + grown > self._max_store_bytes:
+                return f"the store is full: it holds at most {self._max_store_bytes} bytes"
+            self._values[key] = value
+            self._stored_bytes += grown
+            self._changes += 1
+            self._changed.notify_all()
+        return None
 
     @staticmethod
     def _check_key(key, key_size):

@@ -5,12 +5,13 @@ No MPI launcher is involved. This process serves the job's rendezvous store
 job, starts every rank with its rank, size, the store's address and the
 secret in its environment (ranks on other hosts through the remote shell,
 the secret on the shell's stdin, never on a command line), relays their
-output, and ends the job when one rank fails: the others have `_REPORT_SECONDS`
+output, and ends the job when one rank fails: the others have `REPORT_SECONDS`
 to fail by themselves, naming it, then get SIGCONT and SIGTERM (a stopped
-rank must wake to die), then SIGKILL after `_GRACE_SECONDS`. A one-host
+rank must wake to die), then SIGKILL after `GRACE_SECONDS`. A one-host
 job's store and ranks listen on loopback only.
 """
 
+import contextlib
 import fcntl
 import os
 import secrets
@@ -28,8 +29,8 @@ from keras_ring._rendezvous import RendezvousServer
 
 # Once a rank has failed: how long the others have to fail by themselves (their engines
 # notice its connection drop at once, and say so), then how long after SIGTERM before SIGKILL.
-_REPORT_SECONDS = 2
-_GRACE_SECONDS = 10
+REPORT_SECONDS = 2
+GRACE_SECONDS = 10
 # Variables that describe this shell, not the job: not sent to other hosts.
 _LOCAL_ONLY_ENV = frozenset(["_", "PWD", "OLDPWD", "SHLVL", "HOSTNAME", "HOME", "TERM",
                              "DISPLAY", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK"])
@@ -42,14 +43,12 @@ def placement(options):
     Hosts fill in the order given, each up to its slots (`-H a:2,b:2`, or a
     host file with `host`, `host:slots` or `host slots=N` lines).
     """
-    hosts = options.hosts
-    if options.hostfile is not None:
-        hosts = read_hostfile(options.hostfile)
+    hosts = given_hosts(options)
     if not hosts:
         return [None] * options.np
     slots = []
     for host, count in hosts:
-        slots += [None if _is_this_host(host) else host] * count
+        slots += [None if is_this_host(host) else host] * count
     if len(slots) < options.np:
         raise _launcher.LaunchError(
             f"the hosts have {len(slots)} slots for {options.np} ranks; give more slots "
@@ -57,14 +56,40 @@ def placement(options):
     return slots[:options.np]
 
 
+def given_hosts(options):
+    """[(host, slots)] from -H or --hostfile, or None if neither was given."""
+    if options.hostfile is not None:
+        return read_hostfile(options.hostfile)
+    return options.hosts
+
+
 def read_hostfile(path):
     """[(host, slots)] from a host file; raises LaunchError naming a bad line."""
-    hosts = []
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError as e:
         raise _launcher.LaunchError(f"cannot read the host file {path}: {e.strerror}") from None
+    return parse_hosts(lines, path)
+
+
+def parse_hosts(lines, source, default_slots=1):
+    """[(host, slots)] from `host`, `host:slots` or `host slots=N` lines.
+
+    Args:
+        lines: The lines; `#` starts a comment, blank lines are skipped.
+        source: What the lines come from, for errors (a file name).
+        default_slots: The slots of a bare `host`; None makes it an error.
+
+    Returns:
+        The hosts in the order given, each with its slots (at least 1).
+
+    Raises:
+        LaunchError: naming the first bad line (`source:number`).
+    """
+    expected = ("`host`, `host:slots` or `host slots=N`" if default_slots is not None
+                else "`host:slots` or `host slots=N` (a bare `host` needs --slots)")
+    hosts = []
     for number, line in enumerate(lines, 1):
         words = line.split("#", 1)[0].split()
         if not words:
@@ -73,15 +98,16 @@ def read_hostfile(path):
         for word in words[1:]:
             if word.startswith("slots="):
                 slots = word[len("slots="):]
-        if not host or (slots and not (slots.isdigit() and int(slots) > 0)):
+        if not host or (slots and not (slots.isdigit() and int(slots) > 0)) or (
+                not slots and default_slots is None):
             raise _launcher.LaunchError(
-                f"{path}:{number}: expected `host`, `host:slots` or `host slots=N`. "
-                f"Received: {line!r}")
-        hosts.append((host, int(slots or 1)))
+                f"{source}:{number}: expected {expected}. Received: {line!r}")
+        hosts.append((host, int(slots) if slots else default_slots))
     return hosts
 
 
-def _is_this_host(host):
+def is_this_host(host):
+    """Whether `host` names this host."""
     name = socket.gethostname()
     return host in {"localhost", "127.0.0.1", name, name.split(".")[0]}
 
@@ -99,7 +125,7 @@ def interface_address(interface):
     return socket.inet_ntoa(packed[20:24])
 
 
-def _store_host(options, remote_hosts):
+def store_host(options, remote_hosts):
     """Where the store listens and where the ranks reach it: (bind, advertised)."""
     if not remote_hosts:
         return "127.0.0.1", "127.0.0.1"
@@ -118,10 +144,15 @@ def _store_host(options, remote_hosts):
     return address, address
 
 
-def _rank_env(env, rank, size, store, secret):
-    return {**env, "KERAS_RING_TRANSPORT": "tcp", "KERAS_RING_RANK": str(rank),
-            "KERAS_RING_SIZE": str(size), "KERAS_RING_RENDEZVOUS": store,
+def job_env(env, store, secret):
+    """`env` with what every process of a TCP job needs: the transport, the store, the secret."""
+    return {**env, "KERAS_RING_TRANSPORT": "tcp", "KERAS_RING_RENDEZVOUS": store,
             SECRET_VARIABLE: secret}
+
+
+def _rank_env(env, rank, size, store, secret):
+    return {**job_env(env, store, secret), "KERAS_RING_RANK": str(rank),
+            "KERAS_RING_SIZE": str(size)}
 
 
 def _remote_command(env, command):
@@ -136,56 +167,137 @@ def _remote_command(env, command):
             f"export {SECRET_VARIABLE} && exec env {exports} {shlex.join(command)}")
 
 
-class _Rank:
-    def __init__(self, rank, process, streams):
-        self.rank = rank
+class Started:
+    """A process the launcher started, with the pipes its output comes through.
+
+    Args:
+        name: What messages call it ("rank 3").
+        process: Its `subprocess.Popen`.
+        streams: The `_launcher._RankStream`s of its pipes (none where it
+            writes to our stdout and stderr itself).
+    """
+
+    def __init__(self, name, process, streams):
+        self.name = name
         self.process = process
         self.streams = streams
 
 
-def _start_rank(rank, host, env, options, quiet):
+def start_process(name, host, env, options, prefix, quiet):
+    """Starts `options.command` here or on another host, in a session of its own.
+
+    Args:
+        name: What an error calls it ("rank 3").
+        host: The host, or None for this one; another host's process is
+            started through `options.remote_shell` (ssh by default), with
+            the secret on its stdin.
+        env: Its environment (with `SECRET_VARIABLE`).
+        options: The namespace from `_launcher.parse_args()`.
+        prefix: What goes before each of its output lines, or "" (then its
+            stdout is its own: ours).
+        quiet: Whether TensorFlow's start-up lines are left out of its stderr.
+
+    Returns:
+        A `Started`.
+
+    Raises:
+        LaunchError: If the process cannot be started.
+    """
     streams = []
     pipes = {}
-    for name, dest in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-        quiet_here = quiet and rank > 0 and dest is sys.stderr
-        if options.prefix_output or quiet_here:
+    for stream_name, dest in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        quiet_here = quiet and dest is sys.stderr
+        if prefix or quiet_here:
             read_end, write_end = os.pipe()
-            pipes[name] = write_end
-            streams.append(_launcher._RankStream(
-                read_end, dest, f"[{rank}] " if options.prefix_output else "", quiet_here))
+            pipes[stream_name] = write_end
+            streams.append(_launcher._RankStream(read_end, dest, prefix, quiet_here))
     if host is None:
         argv, stdin = options.command, subprocess.DEVNULL
     else:
         argv, stdin = [options.remote_shell or "ssh", host,
                        _remote_command(env, options.command)], subprocess.PIPE
     try:
-        # A session of its own: the job's end reaches the rank's own children too.
+        # A session of its own: the job's end reaches the process's own children too.
         process = subprocess.Popen(argv, env=env, stdin=stdin, start_new_session=True,
                                    stdout=pipes.get("stdout"), stderr=pipes.get("stderr"))
     except OSError as e:
         for s in streams:
             os.close(s.fd)
-        raise _launcher.LaunchError(f"cannot start rank {rank} ({argv[0]}): {e.strerror}") from None
+        raise _launcher.LaunchError(f"cannot start {name} ({argv[0]}): {e.strerror}") from None
     finally:
         for fd in pipes.values():
             os.close(fd)
     if host is not None:
         process.stdin.write(env[SECRET_VARIABLE].encode() + b"\n")
         process.stdin.close()
-    return _Rank(rank, process, streams)
+    return Started(name, process, streams)
 
 
-def _signal_rank(rank, signum):
+def signal_process(started, signum):
+    """Sends `signum` to a started process's session (its children too), if it is still there."""
     try:
-        os.killpg(rank.process.pid, signum)
+        os.killpg(started.process.pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _describe_exit(code):
+def describe_exit(code):
+    """How a process ended, from its return code: "exited with code 1", "died of signal 9 (...)"."""
     if code < 0:
         return f"died of signal {-code} ({signal.strsignal(-code)})"
     return f"exited with code {code}"
+
+
+class OutputRelay:
+    """Copies started processes' output pipes to ours, line by line (`_launcher._RankStream`)."""
+
+    def __init__(self):
+        self._selector = selectors.DefaultSelector()
+
+    def add(self, streams):
+        """Relays these `_RankStream`s from now on."""
+        for stream in streams:
+            self._selector.register(stream.fd, selectors.EVENT_READ, stream)
+
+    def pump(self, timeout):
+        """Copies what the pipes have, waiting at most `timeout` seconds for some.
+
+        A pipe that has ended (or whose reader, ours, has gone) is closed.
+        """
+        for key, _ in self._selector.select(timeout=timeout):
+            chunk = os.read(key.fd, 65536)
+            if chunk and key.data.feed(chunk):
+                continue
+            self._end(key)
+
+    def drain(self):
+        """Copies what is left, then closes every pipe.
+
+        Pipes a process's own child keeps open are read for `_launcher._DRAIN_SECONDS`.
+        """
+        deadline = time.monotonic() + _launcher._DRAIN_SECONDS
+        while self._selector.get_map() and time.monotonic() < deadline:
+            self.pump(_launcher._PARTIAL_LINE_SECONDS)
+        for key in list(self._selector.get_map().values()):
+            self._end(key)
+        self._selector.close()
+
+    def _end(self, key):
+        key.data.flush()
+        self._selector.unregister(key.fd)
+        os.close(key.fd)
+
+
+@contextlib.contextmanager
+def handling_signals(handler):
+    """Calls `handler(signum, frame)` on SIGINT, SIGTERM and SIGHUP while in the block."""
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM,
+                                                        signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run_tcp_job(options, env):
@@ -197,7 +309,7 @@ def run_tcp_job(options, env):
     """
     hosts = placement(options)
     remote = [h for h in hosts if h is not None]
-    bind, advertised = _store_host(options, remote)
+    bind, advertised = store_host(options, remote)
     secret = secrets.token_hex(32)
     quiet = not options.all_output
     with RendezvousServer(secret.encode(), host=bind) as server:
@@ -209,71 +321,48 @@ def run_tcp_job(options, env):
             if ending[0] is None:
                 ending[0] = ("signal", signum)
             for r in ranks:
-                _signal_rank(r, signal.SIGTERM)
+                signal_process(r, signal.SIGTERM)
 
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM,
-                                                            signal.SIGHUP)}
-        try:
-            for rank, host in enumerate(hosts):
-                rank_env = _rank_env(env, rank, options.np, store, secret)
-                ranks.append(_start_rank(rank, host, rank_env, options, quiet))
-            return _supervise(ranks, ending)
-        except BaseException:
-            for r in ranks:
-                _signal_rank(r, signal.SIGKILL)
-            raise
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+        with handling_signals(forward):
+            try:
+                for rank, host in enumerate(hosts):
+                    rank_env = _rank_env(env, rank, options.np, store, secret)
+                    prefix = f"[{rank}] " if options.prefix_output else ""
+                    ranks.append(start_process(f"rank {rank}", host, rank_env, options, prefix,
+                                               quiet and rank > 0))
+                return _supervise(ranks, ending)
+            except BaseException:
+                for r in ranks:
+                    signal_process(r, signal.SIGKILL)
+                raise
 
 
 def _supervise(ranks, ending):
-    selector = selectors.DefaultSelector()
+    relay = OutputRelay()
     for r in ranks:
-        for stream in r.streams:
-            selector.register(stream.fd, selectors.EVENT_READ, stream)
-
-    def relay(close_all=False):
-        for key, _ in selector.select(timeout=_launcher._PARTIAL_LINE_SECONDS):
-            chunk = os.read(key.fd, 65536)
-            if chunk and key.data.feed(chunk):
-                continue
-            key.data.flush()
-            selector.unregister(key.fd)
-            os.close(key.fd)
-        if close_all:
-            for key in list(selector.get_map().values()):
-                key.data.flush()
-                selector.unregister(key.fd)
-                os.close(key.fd)
-
-    running = {r.rank: r for r in ranks}
+        relay.add(r.streams)
+    running = dict(enumerate(ranks))
     stops = []  # (when, signals) still to send to the ranks left
     while running:
-        relay()
-        for r in list(running.values()):
+        relay.pump(_launcher._PARTIAL_LINE_SECONDS)
+        for rank, r in list(running.items()):
             code = r.process.poll()
             if code is None:
                 continue
-            del running[r.rank]
+            del running[rank]
             if code != 0 and ending[0] is None:
-                ending[0] = (r.rank, code)
-                print(f"keras-ring-run: rank {r.rank} {_describe_exit(code)}; stopping the "
+                ending[0] = (rank, code)
+                print(f"keras-ring-run: rank {rank} {describe_exit(code)}; stopping the "
                       "other ranks.", file=sys.stderr, flush=True)
                 now = time.monotonic()
-                stops = [(now + _REPORT_SECONDS, (signal.SIGCONT, signal.SIGTERM)),
-                         (now + _REPORT_SECONDS + _GRACE_SECONDS, (signal.SIGKILL,))]
+                stops = [(now + REPORT_SECONDS, (signal.SIGCONT, signal.SIGTERM)),
+                         (now + REPORT_SECONDS + GRACE_SECONDS, (signal.SIGKILL,))]
         while stops and time.monotonic() > stops[0][0]:
             for other in running.values():
                 for signum in stops[0][1]:
-                    _signal_rank(other, signum)
+                    signal_process(other, signum)
             stops.pop(0)
-    # Pipes a rank's own child keeps open: read for a moment, then let go.
-    deadline = time.monotonic() + _launcher._DRAIN_SECONDS
-    while selector.get_map() and time.monotonic() < deadline:
-        relay()
-    relay(close_all=True)
-    selector.close()
+    relay.drain()
     if ending[0] is None:
         return 0
     who, code = ending[0]

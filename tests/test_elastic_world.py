@@ -134,14 +134,16 @@ def test_a_worker_without_an_answer_fails_after_the_elastic_timeout(store):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("killed", [2, 0], ids=["rank2", "rank0"])
-def test_survivors_of_a_killed_worker_go_on_in_a_new_world_in_the_same_process(store, killed):
+@pytest.mark.parametrize(("killed", "tf"), [(2, "0"), (0, "0"), (1, "1")],
+                         ids=["rank2", "rank0", "rank1-tf-op"])
+def test_survivors_of_a_killed_worker_go_on_in_a_new_world_in_the_same_process(store, killed,
+                                                                                 tf):
     address, secret, client = store
     workers = [f"localhost:{slot}:{slot}" for slot in range(3)]
     processes = [subprocess.Popen(
         [sys.executable, str(WORKERS / "elastic_world_worker.py")], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
-        env=_worker_env(address, secret, w, KR_TEST_KILL_SELF=str(killed)))
+        env=_worker_env(address, secret, w, KR_TEST_KILL_SELF=str(killed), KR_TEST_TF=tf))
         for w in workers]
     try:
         for rank, w in enumerate(workers):

@@ -192,3 +192,85 @@ def test_secret_is_validated():
         RendezvousServer(b"")
     with pytest.raises(ValueError, match="Received: handshake_timeout=0"):
         RendezvousServer(SECRET, handshake_timeout=0)
+
+
+# In-process access, as the elastic driver uses it.
+
+
+def test_the_serving_process_reads_what_clients_set_and_clients_read_what_it_sets(server):
+    assert server.get("elastic/ready/a:0:0") is None
+    with Client(server.address) as c:
+        c.set(b"elastic/ready/a:0:0", b'{"request": 0}')
+        assert server.get("elastic/ready/a:0:0") == b'{"request": 0}'
+        server.set("elastic/assign/a:0:0/0", b'{"rank": 0}')
+        assert c.get(b"elastic/assign/a:0:0/0", 0) == b'{"rank": 0}'
+        server.set("elastic/assign/a:0:0/0", b"")
+        assert c.get(b"elastic/assign/a:0:0/0", 0) == b""
+
+
+def test_a_set_in_process_wakes_a_client_waiting_for_it(server):
+    replies = []
+    with Client(server.address) as c:
+        waiter = threading.Thread(target=lambda: replies.append(c.get(b"late", 60000)))
+        waiter.start()
+        server.set("late", b"v")
+        waiter.join(timeout=30)
+    assert replies == [b"v"]
+
+
+def test_keys_under_a_prefix(server):
+    with Client(server.address) as c:
+        c.set(b"elastic/ready/b", b"1")
+        c.set(b"world.0/rank/0", b"x")
+        c.set(b"\xff\xfe", b"not text")
+    server.set("elastic/ready/a", b"2")
+    assert server.keys("elastic/ready/") == ["elastic/ready/a", "elastic/ready/b"]
+    assert server.keys("elastic/assign/") == []
+    assert server.keys() == ["elastic/ready/a", "elastic/ready/b", "world.0/rank/0"]
+
+
+def test_wait_for_change_returns_on_a_set_or_after_its_timeout(server):
+    seen = server.changes
+    start = time.monotonic()
+    assert server.wait_for_change(seen, 0.2) == seen
+    assert 0.2 <= time.monotonic() - start < 5
+    assert server.wait_for_change(seen, 0) == seen
+
+    def later():
+        time.sleep(0.1)
+        with Client(server.address) as c:
+            c.set(b"k", b"v")
+
+    setter = threading.Thread(target=later)
+    setter.start()
+    assert server.wait_for_change(seen, 60) == seen + 1
+    setter.join()
+    # A change that came before the call: at once.
+    server.set("k", b"w")
+    assert server.wait_for_change(seen + 1, 60) == seen + 2
+
+
+def test_wait_for_change_ends_when_the_server_stops():
+    server = RendezvousServer(SECRET)
+    server.start()
+    seen = server.changes
+    stopper = threading.Timer(0.1, server.stop)
+    stopper.start()
+    start = time.monotonic()
+    assert server.wait_for_change(seen, 60) == seen
+    assert time.monotonic() - start < 30
+    stopper.join()
+
+
+def test_set_in_process_is_checked_as_a_clients_set():
+    with RendezvousServer(SECRET, max_store_bytes=64) as server:
+        with pytest.raises(TypeError, match="Received: value of type str"):
+            server.set("k", "text")
+        with pytest.raises(ValueError, match="Received: a key of 0 bytes"):
+            server.set("", b"v")
+        with pytest.raises(ValueError, match="Received: a key of 513 bytes"):
+            server.set("k" * 513, b"v")
+        with pytest.raises(ValueError, match="the store is full: it holds at most 64 bytes"):
+            server.set("k", b"v" * 64)
+        server.set("k", b"v" * 32)
+        assert server.get("k") == b"v" * 32

@@ -146,13 +146,17 @@ kr_dtype ToKrDtype(const py::dtype& dt) {
 // ValueError for a bad request and for ranks that disagree on one (Python has
 // no class of its own for the second; the TF ops raise InvalidArgumentError
 // and FailedPreconditionError); RuntimeError for the rest.
+// keras_ring._errors.WorkerLostError, imported with this module: the error
+// path runs no Python code of its own, so that a launcher's SIGINT that
+// follows a rank's death cannot interrupt it halfway.
+py::handle worker_lost_error;
+
 void RaiseFor(kr_status status, const std::string& message) {
   if (status == KR_INVALID_ARGUMENT || status == KR_FAILED_PRECONDITION) {
     throw py::value_error(message);
   }
   if (status == KR_PEER_LOST) {
-    PyErr_SetString(py::module_::import("keras_ring._errors").attr("WorkerLostError").ptr(),
-                    message.c_str());
+    PyErr_SetString(worker_lost_error.ptr(), message.c_str());
     throw py::error_already_set();
   }
   throw std::runtime_error(message);
@@ -455,6 +459,9 @@ void ReduceIntoArray(py::array dst, py::array src, int op, const py::object& ker
 
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "keras-ring engine binding for NumPy arrays (internal).";
+  // Kept for the process's life (a handle, never released at exit).
+  worker_lost_error =
+      py::object(py::module_::import("keras_ring._errors").attr("WorkerLostError")).release();
 
   m.attr("ALLREDUCE") = static_cast<int>(KR_ALLREDUCE);
   m.attr("ALLGATHER") = static_cast<int>(KR_ALLGATHER);

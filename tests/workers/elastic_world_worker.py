@@ -1,6 +1,7 @@
 """A worker of an elastic job whose driver is the test (no Keras, no kr.elastic).
 
-It joins the world the driver gives, allreduces its rank, and exits when told
+It joins the world the driver gives, allreduces its rank (through the NumPy
+binding, or TensorFlow's op with `KR_TEST_TF=1`), and exits when told
 `KR_TEST_KILL_SELF` names its first rank (SIGKILL, no exit code runs). A
 survivor's collective then fails with `WorkerLostError`; it shuts its engine
 down, asks for a new world and allreduces again there, in the same process.
@@ -16,10 +17,23 @@ import keras_ring as kr
 from keras_ring import _elastic_world, _engine
 from keras_ring._errors import WorkerLostError
 
+if os.environ.get("KR_TEST_TF") == "1":
+    import tensorflow as tf
 
-def total_of_ranks(step):
-    out = _engine.submit(_engine.ALLREDUCE, np.array([kr.rank()], np.int64), f"ranks.{step}")
-    return int(out.wait()[0])
+    from keras_ring._errors import worker_lost
+
+    def total_of_ranks(step):
+        # A TF op reports the loss as tf.errors.UnavailableError: worker_lost() knows it.
+        try:
+            return int(kr.allreduce(tf.constant([kr.rank()], tf.int64), op=kr.Sum,
+                                    name=f"ranks.{step}").numpy()[0])
+        except tf.errors.OpError as e:
+            raise (worker_lost(e) or e) from e
+else:
+    def total_of_ranks(step):
+        out = _engine.submit(_engine.ALLREDUCE, np.array([kr.rank()], np.int64),
+                             f"ranks.{step}")
+        return int(out.wait()[0])
 
 
 kr.init()
