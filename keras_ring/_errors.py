@@ -42,8 +42,9 @@ def worker_lost(error):
 
     TensorFlow ops of keras-ring report a lost worker as
     `tf.errors.UnavailableError` with the engine's message, which starts
-    with "keras-ring:" (TensorFlow adds its own words around it); the
-    engine's binding raises `WorkerLostError` itself.
+    with "keras-ring:" (TensorFlow adds its own words around it, and inside a
+    `tf.function` raises an `InternalError` saying the op returned
+    `UnavailableError`); the engine's binding raises `WorkerLostError` itself.
 
     Args:
         error: An exception.
@@ -54,10 +55,16 @@ def worker_lost(error):
     if isinstance(error, WorkerLostError):
         return error
     tf = sys.modules.get("tensorflow")
-    if tf is not None and isinstance(error, tf.errors.UnavailableError):
+    if tf is None or not isinstance(error, tf.errors.OpError):
+        return None
+    message = getattr(error, "message", "")
+    # Inside a tf.function (model.fit's steps) TensorFlow raises an InternalError that says
+    # what the op returned.
+    if isinstance(error, tf.errors.UnavailableError) or (
+            isinstance(error, tf.errors.InternalError) and
+            "originally returned UnavailableError" in message):
         # TensorFlow wraps the engine's message: "{{function_node ...}} keras-ring: ... [Op:...]".
-        found = re.search(r"keras-ring:.*?(?=\s*\[Op:|\s*\Z)", getattr(error, "message", ""),
-                          re.DOTALL)
+        found = re.search(r"keras-ring:.*?(?=\s*\[Op:|\s*\[\[|\s*\Z)", message, re.DOTALL)
         if found:
             lost = WorkerLostError(found[0])
             lost.__cause__ = error

@@ -47,6 +47,11 @@ constexpr size_t kShmSlotBytesAutotune = size_t(4) << 20;
 // How often an otherwise idle coordinator wakes to receive ready lists and
 // look for stalls: once a second costs nothing measurable.
 constexpr auto kStallTick = std::chrono::seconds(1);
+// How often rank 0 looks for ranks that tensors have waited the timeout for
+// (CheckOverdueRanks), and for the answers of those it asked; how long it
+// waits for an answer: an idle rank takes its question in once a stall tick.
+constexpr auto kOverdueTick = std::chrono::milliseconds(100);
+constexpr auto kOverdueAnswerWait = kStallTick + kAnswerWait + std::chrono::seconds(1);
 // How often an idle coordinator looks for ready lists of sets it is not in:
 // the first collective such a set runs while rank 0 idles waits up to this
 // long (later ones find rank 0 polling); measured idle cost about 0.5% of a core.
@@ -504,12 +509,10 @@ void Engine::Loop() {
         // Idle, or a caller runs the loop. The coordinator still looks for
         // stalls and for other ranks' shutdowns once a second, and more often
         // for sets it is not in, whose members may need it while it has
-        // nothing of its own to do.
-        if (coordinating_) {
-          cv_.wait_for(lock, pace_.outside_a_set ? kOutsideSetPoll : kStallTick, has_news);
-        } else {
-          cv_.wait(lock, has_news);
-        }
+        // nothing of its own to do; every rank answers rank 0's question
+        // whether it is alive (CheckOverdueRanks) within a second.
+        cv_.wait_for(lock, coordinating_ && pace_.outside_a_set ? kOutsideSetPoll : kStallTick,
+                     has_news);
       } else if (pace_.idle_passes > kSpinPasses && !has_news()) {
         cv_.wait_for(lock, PollSleep(pace_.idle_passes), has_news);
       }
@@ -796,8 +799,43 @@ bool Engine::ReceiveReadyLists() {
   return any;
 }
 
+void Engine::CheckOverdueRanks() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now - overdue_checked_ < kOverdueTick) return;
+  overdue_checked_ = now;
+  std::map<int, std::string> overdue;
+  for (auto& [id, set] : sets_) {
+    if (!set.coordinator) continue;
+    for (auto& [rank, stall] : set.coordinator->Overdue(now, world_->timeout())) {
+      if (rank != topology_.rank) overdue.emplace(rank, std::move(stall));
+    }
+  }
+  for (auto it = asked_.begin(); it != asked_.end();) {
+    it = overdue.count(it->first) ? std::next(it) : asked_.erase(it);
+  }
+  for (auto it = next_ask_.begin(); it != next_ask_.end();) {
+    it = overdue.count(it->first) ? std::next(it) : next_ask_.erase(it);
+  }
+  for (const auto& [rank, stall] : overdue) {
+    const auto asked = asked_.find(rank);
+    if (asked == asked_.end()) {
+      if (now < next_ask_[rank]) continue;
+      world_->Ask(rank);
+      asked_[rank] = now;
+    } else if (world_->Answered(rank)) {
+      // Alive: it will submit, or the stall rules end the wait.
+      asked_.erase(asked);
+      next_ask_[rank] = now + world_->timeout();
+    } else if (now - asked->second >= kOverdueAnswerWait) {
+      throw PeerLostError("keras-ring: rank " + std::to_string(rank) +
+                          " is stuck or stopped (it does not answer): " + stall);
+    }
+  }
+}
+
 bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   ReceiveReadyLists();
+  CheckOverdueRanks();
   const auto now = Coordinator::Clock::now();
   for (auto& [id, set] : sets_) {
     if (options_.stall_check.count()) {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -114,6 +115,11 @@ class Engine {
   // while waiting for rank 0, pings it and fails once it has been silent for
   // longer than the timeout allows.
   void CheckCoordinator(bool heard);
+  // Rank 0, after each pass: asks the ranks that tensors have waited the
+  // timeout for whether they are alive, and fails, naming one, if it does
+  // not answer within kAnswerWait (stopped, or hung with its engine); one
+  // that answers is left to the stall rules and asked again a timeout later.
+  void CheckOverdueRanks();
   // Rank 0 has coordinating to do that its own requests do not show.
   bool CoordinatorBusy() const;
   bool OutsideASet() const;  // rank 0 coordinates a set it is not in
@@ -178,6 +184,10 @@ class Engine {
   // came from it, and when it was last pinged (CheckCoordinator).
   bool waiting_on_coordinator_ = false;
   std::chrono::steady_clock::time_point quiet_since_, pinged_;
+  // Rank 0 (CheckOverdueRanks): the ranks asked whether they are alive, and
+  // when; when those that answered are asked again.
+  std::map<int, std::chrono::steady_clock::time_point> asked_, next_ask_;
+  std::chrono::steady_clock::time_point overdue_checked_;
   std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
   std::chrono::steady_clock::time_point decided_since_;  // when decided_ became non-empty
   // The settings the autotuner may change; written under mu_ (read by

@@ -686,6 +686,24 @@ void Coordinator::FailStalled(Clock::time_point now, Clock::duration fail_after,
   }
 }
 
+std::map<int, std::string> Coordinator::Overdue(Clock::time_point now, Clock::duration after) {
+  MoveToTableIfWaited(now, after);
+  std::map<int, std::pair<Clock::time_point, std::string>> oldest;  // by world rank
+  for (const auto& [name, e] : table_) {
+    if (now - e.first_seen < after || e.first().collective == Collective::kJoin) continue;
+    for (int r = 0; r < size_; ++r) {
+      if (e.present[r] || (joined_[r] && JoinedTakePart(e.first().collective))) continue;
+      auto it = oldest.find(WorldRank(r));
+      if (it == oldest.end() || e.first_seen < it->second.first) {
+        oldest[WorldRank(r)] = {e.first_seen, Stall(name, e, now)};
+      }
+    }
+  }
+  std::map<int, std::string> out;
+  for (auto& [rank, found] : oldest) out[rank] = std::move(found.second);
+  return out;
+}
+
 void Coordinator::RequestShutdown(int rank, const std::string& reason) {
   shutdown_[rank] = true;
   if (first_shutdown_ < 0) {

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -168,6 +169,11 @@ class Coordinator {
   // ranks, and the name leaves the table.
   std::vector<std::string> StallReports(Clock::time_point now, Clock::duration report_after);
   void FailStalled(Clock::time_point now, Clock::duration fail_after, std::vector<Response>* out);
+  // The (world) ranks that names waiting at least `after` miss (joins aside:
+  // waiting in one is no stall), each with the stall of the longest-waiting
+  // such name ("ranks [0, 2] have been waiting 61 s for ranks [1] to submit
+  // tensor 'x' (...)"): the engine asks them whether they are alive.
+  std::map<int, std::string> Overdue(Clock::time_point now, Clock::duration after);
   void RequestShutdown(int rank, const std::string& reason = "");
   const std::string& ShutdownReason() const { return shutdown_reason_; }
   int FirstShutdownRank() const { return first_shutdown_; }

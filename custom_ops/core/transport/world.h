@@ -64,6 +64,13 @@ class World {
   // MPI world sends a notice, and its launcher ends the job when the process
   // exits).
   virtual void Abort(const std::string& why) { (void)why; }
+  // Liveness: Ask sends rank `peer` the question "are you alive?", which its
+  // world answers in any of its waits and in Receive, even while its engine
+  // waits for the user's next tensor; Answered says whether the answer has
+  // come since (as Receive or a wait takes it in). A world without the
+  // question (the in-process one) takes every rank for alive.
+  virtual void Ask(int peer) { (void)peer; }
+  virtual bool Answered(int peer) { return (void)peer, true; }
 
  protected:
   // Point-to-point among all ranks (rank() and size() those of the world),

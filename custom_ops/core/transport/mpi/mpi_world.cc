@@ -218,12 +218,11 @@ class MpiWorld : public World {
   }
 
   const std::function<void()>& drain() const { return drain_; }
-  // Asks `peer` whether it is alive: its world answers in any of its waits.
-  void Ask(int peer) {
+  void Ask(int peer) override {
     answered_[peer] = false;
     Send(peer, kAskTag, std::make_shared<const std::vector<char>>());
   }
-  bool Answered(int peer) const { return answered_[peer]; }
+  bool Answered(int peer) override { return answered_[peer]; }
 
  protected:
   Transport& transport() override { return *transport_; }

@@ -874,6 +874,16 @@ void TcpWorld::Release(int rank) {
   state_->peers.at(rank).released = true;
 }
 
+void TcpWorld::Ask(int peer) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->Ask(peer);
+}
+
+bool TcpWorld::Answered(int peer) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->peers.at(peer).answered;
+}
+
 void TcpWorld::Progress() {
   // Called in every few hundred spins of a shared-memory wait, where the
   // kernel moves the bytes anyway: only answers and queued control messages

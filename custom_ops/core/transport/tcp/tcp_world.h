@@ -76,6 +76,8 @@ class TcpWorld : public World {
   // closes the connections: each peer's waits on this rank fail with `why`.
   void Abort(const std::string& why) override;
   void Release(int rank) override;
+  void Ask(int peer) override;
+  bool Answered(int peer) override;
 
   // Defined in tcp_world.cc, beside the transport and pendings that share it.
   struct State;

@@ -1,0 +1,189 @@
+"""Elastic training end to end: `keras-ring-run --elastic` with Keras workers and real faults.
+
+Each test runs tests/workers/elastic_train_worker.py (a user's script: model.fit
+with kr.elastic's state, callbacks and run) under the real driver, injects a
+fault (SIGKILL, SIGSTOP, a kill inside the recovery, hosts leaving and coming
+back), and checks from the workers' logs that training went on where the last
+commit left it: every optimizer step applied exactly once, identical weights
+on the survivors, a loss that continues instead of restarting. Every job has
+a hard timeout, and none may leave a process or a shared-memory segment.
+"""
+
+import glob
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import RANK_THREAD_ENV
+
+WORKERS = pathlib.Path(__file__).parent / "workers"
+EPOCHS, STEPS = 4, 8
+JOB_TIMEOUT = 420
+
+
+def _shm_segments():
+    return set(glob.glob("/dev/shm/kr-*"))
+
+
+def _processes_with(marker):
+    """Pids of live processes whose environment holds `marker`."""
+    found = []
+    for environ in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(environ, "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(environ.split("/")[2]))
+        except OSError:
+            pass
+    return [p for p in found if p != os.getpid()]
+
+
+def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT):
+    """Runs the training worker under `keras-ring-run --elastic`; returns (result, logs).
+
+    logs: {worker: [events]}.
+    """
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    full_env = {**os.environ, **RANK_THREAD_ENV, "KR_TEST_LOG": str(log_dir),
+                "KR_TEST_EPOCHS": str(EPOCHS), "KR_TEST_STEPS": str(STEPS),
+                "KERAS_RING_TIMEOUT": "8", **(env or {})}
+    before = _shm_segments()
+    command = ["keras-ring-run", "--elastic", *launcher_args, sys.executable,
+               str(WORKERS / "elastic_train_worker.py")]
+    process = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        for pid in _processes_with(str(log_dir)):
+            os.kill(pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        pytest.fail(f"the elastic job did not end within {timeout} s:\n{out[-6000:]}")
+    deadline = time.monotonic() + 10
+    while _processes_with(str(log_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _processes_with(str(log_dir))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}\n{out[-6000:]}"
+    assert _shm_segments() - before == set(), out[-6000:]
+    logs = {}
+    for path in sorted(log_dir.glob("*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            logs[path.stem] = [json.loads(line) for line in f]
+    return subprocess.CompletedProcess(command, process.returncode, out), logs
+
+
+def _events(events, kind):
+    return [e for e in events if e["event"] == kind]
+
+
+def check_training_went_on(result, logs, survivors):
+    """The checks every recovery must pass; `survivors` the number of workers that finish."""
+    assert result.returncode == 0, result.stdout[-8000:]
+    ended = {w: _events(ev, "end")[0] for w, ev in logs.items() if _events(ev, "end")}
+    assert len(ended) == survivors, (sorted(ended), result.stdout[-8000:])
+    # Every optimizer step applied exactly once: the restored iterations are the committed
+    # ones, and a resumed epoch runs only the batches its commit had not done.
+    for worker, end in ended.items():
+        assert end["iterations"] == EPOCHS * STEPS, (worker, end["iterations"])
+    weights = [end["weights"] for end in ended.values()]
+    assert all(w == weights[0] for w in weights), "the survivors' weights differ"
+    for worker, events in logs.items():
+        for i, reset in enumerate(events):
+            if reset["event"] != "reset":
+                continue
+            commits = _events(events[:i], "commit")
+            steps_after = _events(events[i:], "step")
+            if commits and steps_after:
+                # Back at the last commit, and on from it.
+                assert reset["iterations"] == commits[-1]["iterations"], (worker, reset)
+                assert steps_after[0]["iterations"] == reset["iterations"] + 1, (worker, reset)
+
+
+def _resets(logs):
+    return [e for ev in logs.values() for e in ev if e["event"] == "reset"]
+
+
+def _losses_continue(logs):
+    """The first loss after each reset is far below the first loss of the job."""
+    first = min((e for ev in logs.values() for e in ev if e["event"] == "step"),
+                key=lambda e: e["iterations"])["loss"]
+    for events in logs.values():
+        for i, e in enumerate(events):
+            if e["event"] == "reset" and e["iterations"] > 4:
+                after = next(x for x in events[i:] if x["event"] == "step")
+                assert after["loss"] < first / 4, (first, after)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("start_rank", [1, 0], ids=["rank1", "rank0"])
+def test_a_killed_worker_leaves_the_others_training_from_the_last_commit(tmp_path, start_rank):
+    result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "2"],
+                               env={"KR_TEST_FAULT": f"11:{start_rank}:KILL"})
+    check_training_went_on(result, logs, survivors=2)
+    resets = _resets(logs)
+    assert len(resets) == 2 and all(r["size"] == 2 for r in resets), resets
+    # The last commit before the kill at step 11 was step 10 (a commit every 2 steps).
+    assert all(r["iterations"] == 10 for r in resets), resets
+    _losses_continue(logs)
+    assert "lost" in result.stdout
+
+
+@pytest.mark.multirank
+def test_a_stopped_worker_is_dropped_after_the_timeout(tmp_path):
+    result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "2"],
+                               env={"KR_TEST_FAULT": "11:2:STOP", "KERAS_RING_TIMEOUT": "5"})
+    check_training_went_on(result, logs, survivors=2)
+    assert all(r["size"] == 2 for r in _resets(logs))
+
+
+@pytest.mark.multirank
+def test_a_worker_killed_during_the_recovery_is_dropped_too(tmp_path):
+    result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "1"],
+                               env={"KR_TEST_FAULT": "11:2:KILL", "KR_TEST_FAULT_IN_RESET": "1"})
+    check_training_went_on(result, logs, survivors=1)
+    assert _resets(logs)[-1]["size"] == 1
+
+
+@pytest.mark.multirank
+def test_below_min_np_the_job_ends_with_an_error_naming_the_lost_workers(tmp_path):
+    start = time.monotonic()
+    result, logs = run_elastic(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "5"],
+                               env={"KR_TEST_FAULT": "5:1:KILL"}, timeout=300)
+    assert result.returncode != 0, result.stdout[-6000:]
+    assert "min-np" in result.stdout and "localhost:1" in result.stdout, result.stdout[-6000:]
+    assert time.monotonic() - start < 240
+
+
+@pytest.mark.multirank
+def test_a_host_removed_then_added_back_shrinks_then_grows_the_job(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    phases = [["localhost:2\n", 2], ["localhost:2\n127.0.0.1:1\n", 3]]
+    result, logs = run_elastic(
+        tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script", str(script)],
+        env={"KR_TEST_HOSTS_FILE": str(hosts), "KR_TEST_HOSTS_PHASES": json.dumps(phases),
+             "KR_TEST_HOSTS_FROM": "6", "KR_TEST_EPOCHS": "8"})
+    assert result.returncode == 0, result.stdout[-8000:]
+    assert [r["size"] for r in _resets(logs) if r["rank"] == 0] == [2, 3], result.stdout[-8000:]
+    ended = {w: _events(ev, "end")[0] for w, ev in logs.items() if _events(ev, "end")}
+    # The removed worker left (exit 0); a new one took its host's slot.
+    assert sorted(ended) == ["127.0.0.1_0_3", "localhost_0_0", "localhost_1_1"], sorted(logs)
+    assert all(e["iterations"] == 8 * STEPS for e in ended.values()), ended
+    assert all(e["weights"] == ended["localhost_0_0"]["weights"] for e in ended.values())
+    assert "leaves the job" in result.stdout
+    # The newcomer started from the committed state, not from scratch.
+    first = _events(logs["127.0.0.1_0_3"], "step")[0]
+    assert first["iterations"] > 8 and first["size"] == 3, first
+    assert first["loss"] < _events(logs["localhost_0_0"], "step")[0]["loss"] / 4, first
