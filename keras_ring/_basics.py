@@ -14,6 +14,8 @@ from keras_ring import _elastic_world, _launcher, _mpi_env
 
 _lock = threading.Lock()
 _topology = None
+# The settings the last init() was given: an elastic re-init uses them again.
+given_settings = {}
 
 
 def _engine():
@@ -124,7 +126,7 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
     print(f"rank {kr.rank()} of {kr.size()}")
     ```
     """
-    global _topology
+    global _topology, given_settings
     if comm is not None:
         raise ValueError(
             "keras-ring: init(comm=...) is not supported yet; keras-ring uses the whole "
@@ -145,6 +147,7 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
                                  f"Received: {argument}={value!r}")
             counts = ("fusion_threshold", "cache_capacity")
             settings[_SETTINGS[argument]] = int(value) if argument in counts else float(value)
+        given_settings = {k: v for k, v in given.items() if v is not None}
         info = _launcher.read_build_info()
         _mpi_env.check_launcher_environment(info)
         engine = _engine()

@@ -38,6 +38,7 @@ def test_docs_build_without_warnings(tmp_path):
         "getting-started",
         "concepts",
         "launching",
+        "elastic",
         "migrating-from-mwms",
         "api",
         "keras",
@@ -54,6 +55,7 @@ def test_docs_build_without_warnings(tmp_path):
         "keras_ring.DistributedOptimizer",
         "keras_ring.ProcessSet",
         "BroadcastGlobalVariablesCallback",
+        "keras_ring.elastic.KerasState",
     ):
         assert name in api, name
 

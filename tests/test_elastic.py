@@ -13,15 +13,19 @@ import glob
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from conftest import RANK_THREAD_ENV
+from netns_hosts import IFACE
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
+ROOT = pathlib.Path(__file__).parent.parent
 EPOCHS, STEPS = 4, 8
 JOB_TIMEOUT = 420
 
@@ -30,23 +34,24 @@ def _shm_segments():
     return set(glob.glob("/dev/shm/kr-*"))
 
 
+def _environ(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _processes_with(marker):
     """Pids of live processes whose environment holds `marker`."""
-    found = []
-    for environ in glob.glob("/proc/[0-9]*/environ"):
-        try:
-            with open(environ, "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(environ.split("/")[2]))
-        except OSError:
-            pass
-    return [p for p in found if p != os.getpid()]
+    pids = [int(path.split("/")[2]) for path in glob.glob("/proc/[0-9]*/environ")]
+    return [p for p in pids if p != os.getpid() and marker.encode() in _environ(p)]
 
 
-def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT):
+def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT, prefix=()):
     """Runs the training worker under `keras-ring-run --elastic`; returns (result, logs).
 
-    logs: {worker: [events]}.
+    logs: {worker: [events]}. `prefix` goes before the command (`ip netns exec HOST`).
     """
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
@@ -54,7 +59,7 @@ def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT):
                 "KR_TEST_EPOCHS": str(EPOCHS), "KR_TEST_STEPS": str(STEPS),
                 "KERAS_RING_TIMEOUT": "8", **(env or {})}
     before = _shm_segments()
-    command = ["keras-ring-run", "--elastic", *launcher_args, sys.executable,
+    command = [*prefix, "keras-ring-run", "--elastic", *launcher_args, sys.executable,
                str(WORKERS / "elastic_train_worker.py")]
     process = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -124,10 +129,12 @@ def _losses_continue(logs):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("start_rank", [1, 0], ids=["rank1", "rank0"])
-def test_a_killed_worker_leaves_the_others_training_from_the_last_commit(tmp_path, start_rank):
+@pytest.mark.parametrize(("start_rank", "fault"), [(1, "KILL"), (0, "KILL"), (2, "RAISE")],
+                         ids=["rank1", "rank0", "rank2-raises"])
+def test_a_lost_worker_leaves_the_others_training_from_the_last_commit(tmp_path, start_rank,
+                                                                        fault):
     result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "2"],
-                               env={"KR_TEST_FAULT": f"11:{start_rank}:KILL"})
+                               env={"KR_TEST_FAULT": f"11:{start_rank}:{fault}"})
     check_training_went_on(result, logs, survivors=2)
     resets = _resets(logs)
     assert len(resets) == 2 and all(r["size"] == 2 for r in resets), resets
@@ -143,6 +150,27 @@ def test_a_stopped_worker_is_dropped_after_the_timeout(tmp_path):
                                env={"KR_TEST_FAULT": "11:2:STOP", "KERAS_RING_TIMEOUT": "5"})
     check_training_went_on(result, logs, survivors=2)
     assert all(r["size"] == 2 for r in _resets(logs))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("start_rank", "fault"), [(0, "KILL"), (1, "STOP")],
+                         ids=["rank0-killed", "rank1-stopped"])
+def test_across_namespace_hosts_a_lost_worker_leaves_the_others_training(
+        tmp_path, netns_hosts, start_rank, fault):
+    # One worker on each of three hosts made of network namespaces (tests/netns_hosts.py).
+    spec = ",".join(f"{h}:1" for h in netns_hosts.hosts)
+    result, logs = run_elastic(
+        tmp_path, ["-np", "3", "--min-np", "2", "-H", spec, "--network-interface", IFACE],
+        env={**netns_hosts.env(), "KR_TEST_FAULT": f"11:{start_rank}:{fault}",
+             "KERAS_RING_TIMEOUT": "5"},
+        prefix=netns_hosts.exec_prefix(0))
+    check_training_went_on(result, logs, survivors=2)
+    resets = _resets(logs)
+    assert len(resets) == 2 and all(r["iterations"] == 10 for r in resets), resets
+    lost = netns_hosts.hosts[start_rank]
+    assert f"lost worker {lost}:0 (rank {start_rank} of generation 0)" in result.stdout
+    assert not netns_hosts.pids()
+    assert not netns_hosts.shm_left()
 
 
 @pytest.mark.multirank
@@ -187,3 +215,44 @@ def test_a_host_removed_then_added_back_shrinks_then_grows_the_job(tmp_path):
     first = _events(logs["127.0.0.1_0_3"], "step")[0]
     assert first["iterations"] > 8 and first["size"] == 3, first
     assert first["loss"] < _events(logs["localhost_0_0"], "step")[0]["loss"] / 4, first
+
+
+@pytest.mark.multirank
+def test_the_worked_example_of_the_docs_survives_a_kill_as_written(tmp_path):
+    text = (ROOT / "docs" / "elastic.md").read_text()
+    (tmp_path / "train.py").write_text(
+        re.search(r"## A worked example.*?```python\n(.*?)```", text, re.DOTALL)[1])
+    marker = f"KR_TEST_MARKER={tmp_path}"
+    env = {**os.environ, **RANK_THREAD_ENV, "KR_TEST_MARKER": str(tmp_path),
+           "KERAS_RING_TIMEOUT": "20"}
+    before = _shm_segments()
+    process = subprocess.Popen(
+        ["keras-ring-run", "--elastic", "-np", "3", "--min-np", "2", sys.executable, "train.py"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("Epoch 3/") for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        victim = [pid for pid in _processes_with(marker)
+                  if b"KERAS_RING_WORKER=localhost:1:" in _environ(pid)]
+        assert len(victim) == 1, victim
+        os.kill(victim[0], signal.SIGKILL)
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        reader.join(timeout=10)
+        process.stdout.close()
+    out = "".join(lines)
+    assert process.returncode == 0, out[-6000:]
+    assert "lost worker localhost:1 (rank 1 of generation 0): died of signal 9" in out, out[-6000:]
+    assert "generation 1: 2 workers" in out, out[-6000:]
+    found = re.search(r"trained \d+ steps, 2 workers at the end, accuracy ([\d.]+)", out)
+    assert found and float(found[1]) > 0.9, out[-6000:]
+    assert not _processes_with(marker)
+    assert _shm_segments() - before == set()

@@ -364,6 +364,19 @@ def test_reinit_starts_the_engine_again_and_names_by_call_order_from_zero():
     kr.barrier()
 
 
+def test_reinit_keeps_the_settings_the_script_gave_init():
+    kr.shutdown()
+    kr.init(cycle_time=2, cache_capacity=16)
+    try:
+        _run._reinit()
+        assert _basics.given_settings == {"cycle_time": 2, "cache_capacity": 16}
+        assert _basics._engine().parameters()["cycle_time_ms"] == 2
+    finally:
+        kr.shutdown()
+        kr.init()
+    assert _basics.given_settings == {}
+
+
 def test_horovod_names():
     assert kr.elastic.HorovodInternalError is kr.elastic.WorkerLostError
     assert issubclass(kr.elastic.WorkerLostError, RuntimeError)

@@ -119,4 +119,6 @@ def _reinit():
     # Collectives named by call order count from 0 again, as in a newcomer's
     # new process, so that survivors' and newcomers' names agree.
     _objects._counters.clear()
-    _basics.init()
+    # The settings the script gave init() hold for every world (process sets,
+    # given by ranks of the old world, do not).
+    _basics.init(**_basics.given_settings)

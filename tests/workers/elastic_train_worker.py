@@ -17,9 +17,10 @@ previous phase asks for; meanwhile each of its steps lasts 0.5 s more
 (bounded), so that the driver and a newcomer have time to act.
 
 Faults, by the rank a worker had in its first world ("start rank"):
-    KR_TEST_FAULT="ITERATION:START_RANK:SIGNAL": that worker sends itself
-        SIGNAL (KILL, STOP) once `optimizer.iterations` reaches ITERATION,
-        in its first world only.
+    KR_TEST_FAULT="ITERATION:START_RANK:WHAT": that worker sends itself the
+        signal WHAT (KILL, STOP), or raises an error (RAISE) that ends its
+        script, once `optimizer.iterations` reaches ITERATION, in its first
+        world only.
     KR_TEST_FAULT_IN_RESET="START_RANK": that worker SIGKILLs itself in its
         first reset callback (inside the recovery).
 """
@@ -122,6 +123,8 @@ class Record(keras.callbacks.Callback):
         if self.fault and _elastic_world.generation() == 0:
             at, start_rank, name = self.fault
             if iterations == int(at) and START_RANK == int(start_rank):
+                if name == "RAISE":
+                    raise RuntimeError("the test's fault: an error in the training script")
                 os.kill(os.getpid(), getattr(signal, "SIG" + name))
         if SLOW:
             time.sleep(SLOW)
