@@ -535,8 +535,6 @@ def test_callbacks_that_stop_training_still_stop_it(stopper, batches, first):
     assert [epoch for epoch, _ in steps.ended] == list(batches)
 
 
-@pytest.mark.xfail(strict=True, reason="AgreedStoppingCallback writes bool(stop_training) over "
-                   "the end-of-resumed-epoch marker, so the fit stops after the resumed epoch")
 def test_agreed_stopping_lets_a_resumed_epoch_end():
     model = dense_model()
     state = kr.elastic.KerasState(model, epoch=0, batch=3)

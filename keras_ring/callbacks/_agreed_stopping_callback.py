@@ -48,6 +48,9 @@ class AgreedStoppingCallback(_sync.SyncedCallback):
         self._agree(_sync.EPOCH_END)
 
     def _agree(self, point):
-        stop = int(bool(self.model.stop_training))
+        # Only `True` asks to stop: `kr.elastic` ends a resumed epoch early, on every rank
+        # alike, with a marker of its own, which must survive this callback.
+        stop = int(self.model.stop_training is True)
         _, high = self.step_guard.exchange(point, _sync.STOP, (stop,))
-        self.model.stop_training = bool(high[0])
+        if high[0]:
+            self.model.stop_training = True
