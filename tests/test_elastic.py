@@ -192,29 +192,43 @@ def test_below_min_np_the_job_ends_with_an_error_naming_the_lost_workers(tmp_pat
 
 
 @pytest.mark.multirank
-def test_a_host_removed_then_added_back_shrinks_then_grows_the_job(tmp_path):
+@pytest.mark.parametrize("where", ["one-host", "namespace-hosts"])
+def test_a_host_removed_then_added_back_shrinks_then_grows_the_job(tmp_path, request, where):
+    if where == "one-host":  # two names of this host: localhost and 127.0.0.1
+        all_hosts, gone, extra, prefix = "localhost:2\n127.0.0.1:1\n", "127.0.0.1", {}, ()
+        stay = ["localhost_0_0", "localhost_1_1"]
+    else:
+        netns_hosts = request.getfixturevalue("netns_hosts")
+        all_hosts = "".join(f"{h}:1\n" for h in netns_hosts.hosts)
+        gone, extra = netns_hosts.hosts[2], {**netns_hosts.env(), "KERAS_RING_TIMEOUT": "20"}
+        prefix = netns_hosts.exec_prefix(0)
+        stay = ["host0_0_0", "host1_0_1"]
     hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    hosts.write_text(all_hosts)
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
-    phases = [["localhost:2\n", 2], ["localhost:2\n127.0.0.1:1\n", 3]]
+    phases = [[all_hosts.replace(f"{gone}:1\n", ""), 2], [all_hosts, 3]]
+    args = ["-np", "3", "--min-np", "2", "--host-discovery-script", str(script)]
+    if where != "one-host":
+        args += ["--network-interface", IFACE]
     result, logs = run_elastic(
-        tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script", str(script)],
+        tmp_path, args, prefix=prefix,
         env={"KR_TEST_HOSTS_FILE": str(hosts), "KR_TEST_HOSTS_PHASES": json.dumps(phases),
-             "KR_TEST_HOSTS_FROM": "6", "KR_TEST_EPOCHS": "8"})
+             "KR_TEST_HOSTS_FROM": "6", "KR_TEST_EPOCHS": "8", **extra})
     assert result.returncode == 0, result.stdout[-8000:]
     assert [r["size"] for r in _resets(logs) if r["rank"] == 0] == [2, 3], result.stdout[-8000:]
     ended = {w: _events(ev, "end")[0] for w, ev in logs.items() if _events(ev, "end")}
     # The removed worker left (exit 0); a new one took its host's slot.
-    assert sorted(ended) == ["127.0.0.1_0_3", "localhost_0_0", "localhost_1_1"], sorted(logs)
+    newcomer = f"{gone}_0_3"
+    assert sorted(ended) == sorted([newcomer, *stay]), sorted(logs)
     assert all(e["iterations"] == 8 * STEPS for e in ended.values()), ended
-    assert all(e["weights"] == ended["localhost_0_0"]["weights"] for e in ended.values())
+    assert all(e["weights"] == ended[stay[0]]["weights"] for e in ended.values())
     assert "leaves the job" in result.stdout
     # The newcomer started from the committed state, not from scratch.
-    first = _events(logs["127.0.0.1_0_3"], "step")[0]
+    first = _events(logs[newcomer], "step")[0]
     assert first["iterations"] > 8 and first["size"] == 3, first
-    assert first["loss"] < _events(logs["localhost_0_0"], "step")[0]["loss"] / 4, first
+    assert first["loss"] < _events(logs[stay[0]], "step")[0]["loss"] / 4, first
 
 
 @pytest.mark.multirank
