@@ -174,6 +174,15 @@ void Engine::Start() {
   coordinating_ = t.rank == kCoordinator;
   if (coordinating_) {
     world.coordinator = std::make_unique<Coordinator>(world.size(), options_.cache_capacity);
+  } else {
+    // Control messages come from rank 0 only: another rank's connection
+    // ending is no failure of the control channel (a rank that shut down
+    // cleanly may close it before rank 0's word of the shutdown arrives; a
+    // collective that needs a lost rank fails by itself, and rank 0 tells
+    // every rank of one it lost).
+    for (int r = 0; r < t.size; ++r) {
+      if (r != kCoordinator && r != t.rank) world_->Release(r);
+    }
   }
   SetUpSharedMemory(world, 0, *world_, hosts_, SharedMemory());
   if (autotune_ && coordinating_) {
@@ -640,9 +649,6 @@ int Engine::Pass(bool* progress) {
     if (list.shutdown_rank >= 0) {
       // Every rank now leaves; only the coordinator has more to say (it
       // waits for every rank's acknowledgement, releasing each as it comes).
-      for (int r = 0; r < topology_.size && !coordinating_; ++r) {
-        if (r != kCoordinator && r != topology_.rank) world_->Release(r);
-      }
       return list.shutdown_rank;
     }
   }

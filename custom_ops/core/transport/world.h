@@ -55,8 +55,10 @@ class World {
   // not see (a shared-memory collective): MPI, for one, moves a message only
   // while its sender is in an MPI call.
   virtual void Progress() {}
-  // Rank `rank` has sent this rank its last message (its shutdown): its
-  // connection closing from now on is no failure.
+  // Rank `rank` sends this rank no more control messages (its shutdown was
+  // its last, or it sends none: the engine's ranks other than 0 hear from
+  // rank 0 only): its connection closing from now on is no failure of the
+  // control channel (a transfer that needs it still fails).
   virtual void Release(int rank) { (void)rank; }
   // This rank takes no further part (its engine failed, saying `why`):
   // peers waiting on it fail now, with `why` in their error, rather than at
