@@ -183,6 +183,7 @@ def main():
            label=f"restart: fresh {args.np - 1}-worker job to first step")
     ax.set_xlabel("run")
     ax.set_ylabel("seconds")
+    ax.set_ylim(0, 1.4 * max(r["restart_s"] for r in rows))  # room for the legend
     ax.set_xticks(list(xs))
     ax.legend()
     save_plot(fig, args.out, "elastic_recovery")
