@@ -78,47 +78,36 @@ def test_the_client_refuses_a_server_without_the_secret(store):
         RendezvousClient(address, b"not the secret", "intruder", timeout=5)
 
 
-def test_a_worker_joins_the_world_the_driver_gives_it(store):
+def _init_answered(store, worker, **answer):
+    """Runs kr.init() in a worker whose first request gets `answer`: (exit code, output)."""
     address, secret, client = store
-    worker = "localhost:0:0"
     process = _run_init(address, secret, worker)
     try:
         asked = _ready(client, worker)
         assert asked == {"request": 0, "generation": -1, "why": ""}
-        _answer(client, worker, 0, generation=0, rank=0, size=1)
+        _answer(client, worker, 0, **answer)
         out, _ = process.communicate(timeout=60)
     finally:
         process.kill()
-    assert process.returncode == 0, out
+    return process.returncode, out
+
+
+def test_a_worker_joins_the_world_the_driver_gives_it(store):
+    code, out = _init_answered(store, "localhost:0:0", generation=0, rank=0, size=1)
+    assert code == 0, out
     assert "rank 0 of 1" in out
 
 
 def test_a_removed_worker_exits_with_code_0_saying_why(store):
-    address, secret, client = store
-    worker = "localhost:1:5"
-    process = _run_init(address, secret, worker)
-    try:
-        _ready(client, worker)
-        _answer(client, worker, 0, removed="its host left the discovery output")
-        out, _ = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 0, out
+    code, out = _init_answered(store, "localhost:1:5", removed="its host left the discovery output")
+    assert code == 0, out
     assert "leaves the job: its host left the discovery output" in out
     assert "rank" not in out.replace("keras-ring", "")
 
 
 def test_a_worker_of_a_failing_job_raises_the_drivers_reason(store):
-    address, secret, client = store
-    worker = "localhost:0:0"
-    process = _run_init(address, secret, worker)
-    try:
-        _ready(client, worker)
-        _answer(client, worker, 0, failed="1 worker left of --min-np 2")
-        out, _ = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode != 0
+    code, out = _init_answered(store, "localhost:0:0", failed="1 worker left of --min-np 2")
+    assert code != 0
     assert "the elastic job is ending: 1 worker left of --min-np 2" in out
 
 
