@@ -86,6 +86,17 @@ def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT, prefix=(
     return subprocess.CompletedProcess(command, process.returncode, out), logs
 
 
+def _hosts(request, where, count=3):
+    """(launcher args, environment, command prefix, each slot's host) for one host, or `count`
+    hosts made of network namespaces (tests/netns_hosts.py) with one slot each."""
+    if where == "one-host":
+        return [], {}, (), ["localhost"] * count
+    netns_hosts = request.getfixturevalue("netns_hosts")
+    spec = ",".join(f"{h}:1" for h in netns_hosts.hosts[:count])
+    return (["-H", spec, "--network-interface", IFACE], netns_hosts.env(),
+            netns_hosts.exec_prefix(0), netns_hosts.hosts)
+
+
 def _events(events, kind):
     return [e for e in events if e["event"] == kind]
 
@@ -174,20 +185,28 @@ def test_across_namespace_hosts_a_lost_worker_leaves_the_others_training(
 
 
 @pytest.mark.multirank
-def test_a_worker_killed_during_the_recovery_is_dropped_too(tmp_path):
-    result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "1"],
-                               env={"KR_TEST_FAULT": "11:2:KILL", "KR_TEST_FAULT_IN_RESET": "1"})
+@pytest.mark.parametrize("where", ["one-host", "namespace-hosts"])
+def test_a_worker_killed_during_the_recovery_is_dropped_too(tmp_path, request, where):
+    args, env, prefix, _ = _hosts(request, where)
+    result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "1", *args], prefix=prefix,
+                               env={**env, "KR_TEST_FAULT": "11:2:KILL",
+                                    "KR_TEST_FAULT_IN_RESET": "1"})
     check_training_went_on(result, logs, survivors=1)
     assert _resets(logs)[-1]["size"] == 1
 
 
 @pytest.mark.multirank
-def test_below_min_np_the_job_ends_with_an_error_naming_the_lost_workers(tmp_path):
+@pytest.mark.parametrize("where", ["one-host", "namespace-hosts"])
+def test_below_min_np_the_job_ends_with_an_error_naming_the_lost_workers(tmp_path, request,
+                                                                         where):
+    args, env, prefix, hosts = _hosts(request, where, count=2)  # no slot for a new worker
     start = time.monotonic()
-    result, logs = run_elastic(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "5"],
-                               env={"KR_TEST_FAULT": "5:1:KILL"}, timeout=300)
+    result, logs = run_elastic(
+        tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "5", *args], prefix=prefix,
+        env={**env, "KR_TEST_FAULT": "5:1:KILL"}, timeout=300)
     assert result.returncode != 0, result.stdout[-6000:]
-    assert "min-np" in result.stdout and "localhost:1" in result.stdout, result.stdout[-6000:]
+    lost = f"{hosts[1]}:{1 if where == 'one-host' else 0}"
+    assert "min-np" in result.stdout and lost in result.stdout, result.stdout[-6000:]
     assert time.monotonic() - start < 240
 
 
