@@ -805,8 +805,7 @@ bool Engine::ReceiveReadyLists() {
   return any;
 }
 
-void Engine::CheckOverdueRanks() {
-  const auto now = std::chrono::steady_clock::now();
+void Engine::CheckOverdueRanks(std::chrono::steady_clock::time_point now) {
   if (now - overdue_checked_ < kOverdueTick) return;
   overdue_checked_ = now;
   std::map<int, std::string> overdue;
@@ -841,8 +840,8 @@ void Engine::CheckOverdueRanks() {
 
 bool Engine::ReceiveOnCoordinator(ResponseList* out) {
   ReceiveReadyLists();
-  CheckOverdueRanks();
   const auto now = Coordinator::Clock::now();
+  CheckOverdueRanks(now);
   for (auto& [id, set] : sets_) {
     if (options_.stall_check.count()) {
       for (const std::string& report : set.coordinator->StallReports(now, options_.stall_check)) {

@@ -119,7 +119,7 @@ class Engine {
   // timeout for whether they are alive, and fails, naming one, if it does
   // not answer within kAnswerWait (stopped, or hung with its engine); one
   // that answers is left to the stall rules and asked again a timeout later.
-  void CheckOverdueRanks();
+  void CheckOverdueRanks(std::chrono::steady_clock::time_point now);
   // Rank 0 has coordinating to do that its own requests do not show.
   bool CoordinatorBusy() const;
   bool OutsideASet() const;  // rank 0 coordinates a set it is not in
