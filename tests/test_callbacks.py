@@ -482,6 +482,18 @@ def test_backup_and_restore_keeps_the_backup_if_asked(tmp_path):
     assert backup_fit(backup_model(), [callback]) == 0
 
 
+def test_backup_and_restore_resumes_only_the_fit_that_restored_even_if_interrupted(tmp_path):
+    backup_dir = tmp_path / "backup"
+    assert backup_fit(backup_model(), [kr.callbacks.BackupAndRestore(backup_dir),
+                                       Interrupt(1)]) is None
+    model = backup_model(1)
+    # Resumed at epoch 2, then interrupted in it.
+    assert backup_fit(model, [kr.callbacks.BackupAndRestore(backup_dir), Interrupt(2, 0)]) is None
+    # A fit without the callback, or with a new one elsewhere, starts at its own epoch 0.
+    assert backup_fit(model, [], epochs=2) == 2
+    assert backup_fit(model, [kr.callbacks.BackupAndRestore(tmp_path / "other")], epochs=2) == 2
+
+
 def test_backup_and_restore_falls_back_to_the_previous_backup(tmp_path):
     backup_dir = tmp_path / "backup"
     make = lambda: kr.callbacks.BackupAndRestore(backup_dir, double_checkpoint=True)  # noqa: E731

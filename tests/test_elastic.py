@@ -54,7 +54,7 @@ def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT, prefix=(
     logs: {worker: [events]}. `prefix` goes before the command (`ip netns exec HOST`).
     """
     log_dir = tmp_path / "logs"
-    log_dir.mkdir()
+    log_dir.mkdir(parents=True)
     full_env = {**os.environ, **RANK_THREAD_ENV, "KR_TEST_LOG": str(log_dir),
                 "KR_TEST_EPOCHS": str(EPOCHS), "KR_TEST_STEPS": str(STEPS),
                 "KERAS_RING_TIMEOUT": "8", **(env or {})}
@@ -208,6 +208,34 @@ def test_below_min_np_the_job_ends_with_an_error_naming_the_lost_workers(tmp_pat
     lost = f"{hosts[1]}:{1 if where == 'one-host' else 0}"
     assert "min-np" in result.stdout and lost in result.stdout, result.stdout[-6000:]
     assert time.monotonic() - start < 240
+
+
+@pytest.mark.multirank
+def test_a_job_lost_whole_resumes_from_its_backup_and_its_recoveries_from_the_commits(
+        tmp_path):
+    backup = tmp_path / "backup"
+    # Below --min-np at step 19 (epoch 2): the job ends; rank 0's backup holds epoch 2's start.
+    first, first_logs = run_elastic(
+        tmp_path / "first", ["-np", "2", "--min-np", "2", "--elastic-timeout", "5"],
+        env={"KR_TEST_FAULT": "19:1:KILL", "KR_TEST_BACKUP_DIR": str(backup)}, timeout=300)
+    assert first.returncode != 0 and "min-np" in first.stdout, first.stdout[-6000:]
+    assert json.loads((backup / "training_metadata.json").read_text())["epoch"] == 2
+    # Run again: every worker starts from the backup; a kill at step 27 costs one step.
+    result, logs = run_elastic(tmp_path / "second", ["-np", "3", "--min-np", "2"],
+                               env={"KR_TEST_FAULT": "27:1:KILL",
+                                    "KR_TEST_BACKUP_DIR": str(backup)})
+    check_training_went_on(result, logs, survivors=2)
+    for worker, events in logs.items():
+        restored = events[0]  # the backup, taken as the state's first commit
+        assert (restored["event"], restored["iterations"], restored["epoch"]) == (
+            "commit", 2 * STEPS, 2), (worker, events[:2])
+        assert _events(events, "step")[0]["iterations"] == 2 * STEPS + 1, worker
+    resets = _resets(logs)
+    assert len(resets) == 2 and all(r["iterations"] == 26 for r in resets), resets
+    first_loss = _events(first_logs[min(first_logs)], "step")[0]["loss"]
+    resumed_loss = _events(logs[min(logs)], "step")[0]["loss"]
+    assert resumed_loss < first_loss / 4, (first_loss, resumed_loss)
+    assert not backup.exists()  # rank 0 deleted it when the training completed
 
 
 @pytest.mark.multirank

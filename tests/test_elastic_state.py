@@ -8,6 +8,7 @@ update check across real ranks.
 
 import inspect
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -616,6 +617,89 @@ def test_a_lost_worker_costs_the_steps_since_the_commit_and_no_more(calls):
     reference, _ = train_job(lose=False)
     for a, b in zip(values(model), values(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# run() with BackupAndRestore: the backup on disk outlives the job, the commits a worker
+
+
+class JobDies(keras.callbacks.Callback):
+    """Ends the job (every worker) at the job's epoch `epoch`, batch `batch`."""
+
+    def __init__(self, state, epoch, batch):
+        super().__init__()
+        self.state, self.at = state, (epoch, batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.state.epoch, self.state.batch) == self.at:
+            raise RuntimeError("every worker of the job died")
+
+
+@pytest.mark.parametrize("style", ["epochs left", "initial_epoch"])
+@pytest.mark.parametrize("place", ["first", "last"])
+def test_a_job_run_again_resumes_from_the_backup_and_its_resets_from_the_commits(
+        calls, tmp_path, style, place):
+    epochs, backup_dir = 5, tmp_path / "backup"
+
+    def train_job(seed, *faults):
+        model = dense_model(keras.optimizers.SGD(0.05, momentum=0.5), seed=seed)
+        state = kr.elastic.KerasState(model, epoch=0, batch=0)
+        recorder = CommitRecorder(state)
+        made = [fault(state) for fault in faults]
+
+        @kr.elastic.run
+        def train(state):
+            if style == "epochs left":
+                span = dict(epochs=epochs - state.epoch)
+            else:
+                span = dict(initial_epoch=state.epoch, epochs=epochs)
+            backup = kr.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)
+            elastic = elastic_callbacks(state, ["commit", "batch", "epoch"], 3)
+            listed = [backup, *elastic] if place == "first" else [*elastic, backup]
+            model.fit(dataset(skip_batches=state.batch), shuffle=False, steps_per_epoch=STEPS,
+                      verbose=0, **span, callbacks=[*listed, *made])
+
+        train(state)
+        return model, state, recorder.commits
+
+    with pytest.raises(RuntimeError, match="every worker"):
+        train_job(0, lambda state: JobDies(state, epoch=2, batch=2))
+    assert json.loads((backup_dir / "training_metadata.json").read_text())["epoch"] == 2
+    # Run again from other weights: the backup gives the weights and the epoch, and a
+    # worker lost in epoch 3 sends the job back to its commit at batch 3, not to the backup.
+    model, state, commits = train_job(1, lambda state: LoseWorker(state, epoch=3, batch=4))
+    assert commits[0] == (2, 0, 2 * STEPS)  # the backup, taken as the first commit
+    assert calls.count("reinit") == 1
+    assert (3, 3, 3 * STEPS + 3) in commits
+    assert int(model.optimizer.iterations.numpy()) == epochs * STEPS
+    assert (state.epoch, state.batch) == (epochs, 0)
+    # The backup counts the job's epochs, also in a fit that started after the reset.
+    assert json.loads((backup_dir / "training_metadata.json").read_text())["epoch"] == epochs
+    reference = dense_model(keras.optimizers.SGD(0.05, momentum=0.5))
+    reference.fit(dataset(), shuffle=False, steps_per_epoch=STEPS, epochs=epochs, verbose=0)
+    for a, b in zip(values(model), values(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_job_without_a_backup_never_reads_the_one_it_writes(calls, tmp_path):
+    epochs, backup_dir = 3, tmp_path / "backup"
+    model = dense_model(keras.optimizers.SGD(0.05, momentum=0.5))
+    state = kr.elastic.KerasState(model, epoch=0, batch=0)
+    recorder = CommitRecorder(state)
+    losing = LoseWorker(state, epoch=1, batch=4)
+
+    @kr.elastic.run
+    def train(state):
+        model.fit(dataset(skip_batches=state.batch), shuffle=False, steps_per_epoch=STEPS,
+                  epochs=epochs - state.epoch, verbose=0,
+                  callbacks=[kr.callbacks.BackupAndRestore(backup_dir),
+                             *elastic_callbacks(state, ["commit", "batch", "epoch"], 3), losing])
+
+    train(state)
+    # Back to the commit at batch 3 of epoch 1, not to the backup of epoch 1's start.
+    assert recorder.commits[0] == (0, 3, 3)
+    assert calls.count("reinit") == 1
+    assert int(model.optimizer.iterations.numpy()) == epochs * STEPS
+    assert not backup_dir.exists()  # deleted by the fit that completed
 
 
 # Data and the package

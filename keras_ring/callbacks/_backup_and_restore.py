@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from keras_ring import _basics, _objects, _ops
 from keras_ring.callbacks import _sync
+from keras_ring.elastic import _run as _elastic_run
 
 _NAME = "keras_ring.callbacks.backup_and_restore"
 # Files go through tf.io.gfile, public API for local and remote paths alike;
@@ -48,6 +49,15 @@ class BackupAndRestore(_sync.SyncedCallback):
     during an epoch holds the weights of that moment, and `fit` runs that
     epoch again from its first batch (Keras records the batch but does not
     resume within an epoch).
+
+    In an elastic job (inside the function `keras_ring.elastic.run` wraps)
+    it works with the state, so that a job that lost every worker resumes
+    when run again: the job's first `fit` restores the backup, and what it
+    restored becomes the state's first commit (`state.epoch` included);
+    after a reset the commit in memory, which is newer, is what training
+    goes on from, and the backup is not read again. The backup records the
+    job's epoch as the state counts it, also in a `fit` that started after
+    a reset (and numbers its epochs from 0).
 
     With one rank it behaves as Keras's callback, with these differences:
 
@@ -145,6 +155,7 @@ class BackupAndRestore(_sync.SyncedCallback):
                 "Expected either 'epoch' or an integer value."
             )
         self._resumed = False  # this fit's first epoch came from the backup
+        self._epoch_offset = None  # the job's epoch minus Keras's, from the fit's first epoch
 
     # Restoring.
 
@@ -153,13 +164,21 @@ class BackupAndRestore(_sync.SyncedCallback):
         if self._resumed:  # left by an interrupted fit that this callback resumed
             self.model._initial_epoch = None
             self._resumed = False
+        self._epoch_offset = None
         root = _basics.rank() == 0
+        # In an elastic job the backup is read once, into the state: after a
+        # reset the state's commit in memory is the newer (rank 0 decides).
+        state = _elastic_run.running_state()
+        read = state is not None and state._backup_read
         model = self.model
         if not model.built:
             # Every rank builds the model the same way, and the optimizer too:
             # a DistributedOptimizer may communicate once built.
-            plan = self._share("build", self._build_plan() if root else None)
+            plan = ("none",) if read else self._build_plan() if root else None
+            plan = self._share("build", plan)
             if plan[0] == "none":
+                if state is not None:
+                    state._backup_read = True
                 return  # nothing to restore: the first step builds the model
             if plan[0] == "error":
                 raise ValueError(plan[1])
@@ -169,7 +188,9 @@ class BackupAndRestore(_sync.SyncedCallback):
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)
         error = outcome = None
-        if root:
+        if root and read:
+            outcome = ("read before",)
+        elif root:
             try:
                 outcome = ("restored", *self._restore())
             except Exception as e:  # every rank raises, rank 0 its own exception
@@ -183,15 +204,30 @@ class BackupAndRestore(_sync.SyncedCallback):
                 f"keras-ring: BackupAndRestore: rank 0 could not restore the backup in "
                 f"{os.fspath(self.backup_dir)!r}: {outcome[1]}"
             )
+        if outcome[0] == "read before":
+            if state is not None:
+                state._backup_read = True
+            return
         _, loaded, epoch = outcome
         if loaded and _basics.size() > 1:
             self._broadcast_state()
+        if state is not None:
+            self._into_state(state, loaded, epoch)
         if epoch is not None:
             # Keras's callback makes fit() start at the backup's epoch through
             # this private attribute, which fit() reads after on_train_begin;
             # Keras has no public way for a callback to do it.
             model._initial_epoch = epoch
             self._resumed = True
+
+    @staticmethod
+    def _into_state(state, loaded, epoch):
+        """Makes what was restored an elastic state's commit: a reset comes back to it."""
+        if epoch is not None and hasattr(state, "epoch"):
+            state.epoch = epoch
+        state._backup_read = True
+        if loaded or epoch is not None:
+            state.save()
 
     def _share(self, what, value):
         """Rank 0's `value`, on every rank (after checking that all ranks are here)."""
@@ -293,11 +329,22 @@ class BackupAndRestore(_sync.SyncedCallback):
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
-        self._current_epoch = epoch
+        if self._resumed:
+            # fit() has read it: a later fit, after this one ends or is
+            # interrupted (an elastic job's reset), starts where it is told.
+            self.model._initial_epoch = None
+            self._resumed = False
+        if self._epoch_offset is None:
+            # In an elastic job the backup records the job's epoch, which the
+            # state counts (a fit after a reset numbers its epochs from 0).
+            state = _elastic_run.running_state()
+            counted = state is not None and hasattr(state, "epoch")
+            self._epoch_offset = int(state.epoch) - epoch if counted else 0
+        self._current_epoch = epoch + self._epoch_offset
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        self._current_epoch = epoch + 1
+        self._current_epoch = epoch + 1 + self._epoch_offset
         self._last_batch_seen = 0
         if self.save_freq == "epoch":
             self._save_model()

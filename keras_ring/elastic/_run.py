@@ -5,6 +5,18 @@ import functools
 from keras_ring import _basics, _elastic_world, _errors, _log, _objects
 from keras_ring.elastic import _validation
 
+_running = []  # the states of the wrapped functions being called, innermost last
+
+
+def running_state():
+    """The state of the innermost call of a function `run` wrapped, or None outside one.
+
+    `keras_ring.callbacks.BackupAndRestore` asks it, so that in an elastic
+    job it reads its backup into the state once, and numbers its epochs as
+    the state counts them.
+    """
+    return _running[-1] if _running else None
+
 
 def run(func):
     """Makes `func(state, *args, **kwargs)` survive lost workers and re-formed worlds.
@@ -79,38 +91,47 @@ def run(func):
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         _validation.check_state(state)
-        reset = False
         # A newcomer's first world is a re-formed one: it runs the reset
         # callbacks after its first sync, as the survivors do after theirs.
         joined = _elastic_world.generation() > 0
-        while True:
-            try:
-                if reset:
-                    _reinit()
-                state.sync()
-                if reset or joined:
-                    state.on_reset()
-                return func(state, *args, **kwargs)
-            except _errors.HostsUpdatedInterrupt as interrupt:
-                if _basics.rank() == 0:
-                    _log.info(f"{interrupt}.")
-                _elastic_world.set_reason(interrupt)
-            except Exception as error:
-                lost = _errors.worker_lost(error)
-                if lost is None:
-                    raise
-                if not _elastic_world.is_elastic():
-                    raise _errors.WorkerLostError(
-                        f"{lost} This job cannot go on without the lost worker: it was not "
-                        "started with `keras-ring-run --elastic`, so no driver re-forms its "
-                        "world."
-                    ) from error
-                _log.warning(f"{lost} Going back to the last commit and re-forming the world.")
-                _elastic_world.set_reason(lost)
-                state.restore()
-            reset = True
+        _running.append(state)
+        try:
+            return _call(state, joined, func, args, kwargs)
+        finally:
+            _running.pop()
 
     return wrapper
+
+
+def _call(state, joined, func, args, kwargs):
+    """Calls `func` until it returns, re-forming the world after each lost worker."""
+    reset = False
+    while True:
+        try:
+            if reset:
+                _reinit()
+            state.sync()
+            if reset or joined:
+                state.on_reset()
+            return func(state, *args, **kwargs)
+        except _errors.HostsUpdatedInterrupt as interrupt:
+            if _basics.rank() == 0:
+                _log.info(f"{interrupt}.")
+            _elastic_world.set_reason(interrupt)
+        except Exception as error:
+            lost = _errors.worker_lost(error)
+            if lost is None:
+                raise
+            if not _elastic_world.is_elastic():
+                raise _errors.WorkerLostError(
+                    f"{lost} This job cannot go on without the lost worker: it was not "
+                    "started with `keras-ring-run --elastic`, so no driver re-forms its "
+                    "world."
+                ) from error
+            _log.warning(f"{lost} Going back to the last commit and re-forming the world.")
+            _elastic_world.set_reason(lost)
+            state.restore()
+        reset = True
 
 
 def _reinit():

@@ -37,6 +37,10 @@ class State:
         # `fit` now running: CommitStateCallback brings them up to date before
         # it commits, whatever their order in the callbacks list.
         self._progress_callbacks = []
+        # Whether keras_ring.callbacks.BackupAndRestore has read its backup on
+        # disk into this state: it does once per job, so that a reset goes back
+        # to the commit in memory, not to the older backup.
+        self._backup_read = False
 
     def register_reset_callbacks(self, callbacks):
         """Adds functions to call, without arguments, after each reset of the world.

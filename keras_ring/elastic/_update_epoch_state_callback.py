@@ -45,16 +45,18 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
         super().__init__()
         _validation.check_state(state, "epoch")
         self.state = state
-        self._start = 0  # state.epoch when the fit started
+        self._start = 0  # state.epoch when the fit's first epoch began
         self._first_epoch = None  # Keras's index of the fit's first epoch
 
     def on_train_begin(self, logs=None):
         self.state._follow(self)
-        self._start = int(self.state.epoch)
         self._first_epoch = None
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._first_epoch is None:
+            # Read here, after every callback's on_train_begin: a
+            # BackupAndRestore that resumes the job sets state.epoch there.
+            self._start = int(self.state.epoch)
             self._first_epoch = epoch
 
     def on_epoch_end(self, epoch, logs=None):

@@ -16,6 +16,9 @@ the first phase's text once `optimizer.iterations` reaches
 previous phase asks for; meanwhile each of its steps lasts 0.5 s more
 (bounded), so that the driver and a newcomer have time to act.
 
+Backup: with `KR_TEST_BACKUP_DIR`, the fit also has
+`kr.callbacks.BackupAndRestore` there (a backup at each epoch's end).
+
 Faults, by the rank a worker had in its first world ("start rank"):
     KR_TEST_FAULT="ITERATION:START_RANK:WHAT": that worker sends itself the
         signal WHAT (KILL, STOP), or raises an error (RAISE) that ends its
@@ -52,6 +55,7 @@ HOSTS_FILE = os.environ.get("KR_TEST_HOSTS_FILE")
 HOSTS_PHASES = json.loads(os.environ.get("KR_TEST_HOSTS_PHASES", "[]"))
 HOSTS_FROM = int(os.environ.get("KR_TEST_HOSTS_FROM", "0"))
 HOSTS_WAIT_SECONDS = 180
+BACKUP_DIR = os.environ.get("KR_TEST_BACKUP_DIR")
 
 kr.init()
 START_RANK = kr.rank()
@@ -154,7 +158,8 @@ def train(state):
     model.fit(make_dataset(), steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch, verbose=1,
               callbacks=[kr.elastic.CommitStateCallback(state, BATCHES_PER_COMMIT),
                          kr.elastic.UpdateBatchStateCallback(state),
-                         kr.elastic.UpdateEpochStateCallback(state), Record()])
+                         kr.elastic.UpdateEpochStateCallback(state), Record(),
+                         *([kr.callbacks.BackupAndRestore(BACKUP_DIR)] if BACKUP_DIR else [])])
 
 
 train(state)
