@@ -18,7 +18,7 @@ def finals(out_dir, np_):
     return ranks
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [3])
 def test_autotune_converges_and_agrees_across_ranks(run_ranks, tmp_path, np_):
     log = tmp_path / "autotune.csv"
     env = {

@@ -1,4 +1,4 @@
-"""keras_ring.callbacks across 2 and 3 ranks (tests/workers/callbacks_worker.py)."""
+"""keras_ring.callbacks across 3 ranks (tests/workers/callbacks_worker.py)."""
 
 import pathlib
 
@@ -16,7 +16,7 @@ SCENARIOS = [
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("np", [3])
 def test_callbacks(run_ranks, tmp_path, np):
     out_dir = tmp_path / "files"
     out_dir.mkdir()

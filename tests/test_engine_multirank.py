@@ -8,22 +8,29 @@ import pytest
 from keras_ring._launcher import forker_segment_paths
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_worker.py")
+# A fault at 3 ranks has a culprit, the coordinator and a bystander; 2 ranks add no case.
+FAULT_RANKS = 3
 
 
+# Every collective at 2 and 3 ranks on both data paths (shared memory, the ring over MPI), whose
+# schedules differ between a power of two and not; the settings that change only the engine's
+# scheduling or its kernels at 3 ranks, the more general count.
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "settings",
+    "np_, settings",
     [
-        {"KR_TEST_PATH": "shm"},
-        {"KERAS_RING_FUSION_THRESHOLD": "0"},
-        {"KERAS_RING_CYCLE_TIME": "2"},
-        {"KERAS_RING_CACHE_CAPACITY": "0"},
-        {"KERAS_RING_SHM": "0", "KR_TEST_PATH": "network"},
-        {"KERAS_RING_CPU_KERNELS": "generic"},
+        (2, {"KR_TEST_PATH": "shm"}),
+        (3, {"KR_TEST_PATH": "shm"}),
+        (2, {"KERAS_RING_SHM": "0", "KR_TEST_PATH": "network"}),
+        (3, {"KERAS_RING_SHM": "0", "KR_TEST_PATH": "network"}),
+        (3, {"KERAS_RING_FUSION_THRESHOLD": "0"}),
+        (3, {"KERAS_RING_CYCLE_TIME": "2"}),
+        (3, {"KERAS_RING_CACHE_CAPACITY": "0"}),
+        (3, {"KERAS_RING_CPU_KERNELS": "generic"}),
     ],
-    ids=["fusion", "no-fusion", "cycle-time", "no-cache", "mpi-ring", "generic-kernels"],
+    ids=["2-fusion", "3-fusion", "2-mpi-ring", "3-mpi-ring", "3-no-fusion", "3-cycle-time",
+         "3-no-cache", "3-generic-kernels"],
 )
-@pytest.mark.parametrize("np_", [2, 3])
 def test_engine_collectives(run_ranks, np_, settings):
     env = {"KR_TEST_EXPECTED_SIZE": str(np_), **settings}
     result = run_ranks(np_, WORKER, timeout=600, env=env)
@@ -50,7 +57,7 @@ def test_engine_collectives_across_pretended_hosts(run_ranks, hosts, settings, p
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [FAULT_RANKS])
 def test_a_rank_that_exits_fails_the_others_instead_of_hanging(run_ranks, np_):
     worker = os.path.join(os.path.dirname(__file__), "workers", "early_exit_worker.py")
     result = run_ranks(np_, worker, timeout=120, check=False)
@@ -69,7 +76,7 @@ def test_a_rank_that_exits_fails_the_others_instead_of_hanging(run_ranks, np_):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("start", ["kr", "binding"])
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [FAULT_RANKS])
 def test_a_job_whose_ranks_all_finish_exits_0_when_one_rank_leaves_first(run_ranks, np_, start):
     # MPICH's forker interrupts the ranks still running when one exits
     # without MPI_Finalize: the engine's exit hook must finalize it.
@@ -81,7 +88,7 @@ def test_a_job_whose_ranks_all_finish_exits_0_when_one_rank_leaves_first(run_ran
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [FAULT_RANKS])
 def test_a_stalled_tensor_is_reported_then_fails_on_the_waiting_ranks(run_ranks, np_):
     worker = os.path.join(os.path.dirname(__file__), "workers", "stall_worker.py")
     env = {"KERAS_RING_STALL_CHECK_TIME": "1", "KERAS_RING_STALL_SHUTDOWN_TIME": "3"}
@@ -97,7 +104,7 @@ def test_a_stalled_tensor_is_reported_then_fails_on_the_waiting_ranks(run_ranks,
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("worker", ["killed_rank_worker.py", "shm_crash_worker.py"])
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [FAULT_RANKS])
 def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, np_, worker):
     # Killed while the others wait for it to agree, or in the middle of
     # shared-memory allreduces.
@@ -124,7 +131,7 @@ def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, n
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [FAULT_RANKS])
 def test_every_rank_runs_with_rank_0s_settings(run_ranks, np_):
     worker = os.path.join(os.path.dirname(__file__), "workers", "settings_worker.py")
     result = run_ranks(np_, worker, timeout=120)

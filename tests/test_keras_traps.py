@@ -17,7 +17,7 @@ def outcomes(output, scenario, np):
     return [found[str(r)] for r in range(np)]
 
 
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("np", [3])
 def test_ranks_with_uneven_data_train_together(run_ranks, tmp_path, np):
     # Rank r has 17 - r batches, in a dataset of unknown length and in arrays.
     result = run_ranks(np, WORKER, "uneven", tmp_path, timeout=300)
@@ -36,7 +36,7 @@ def cases(output):
     return logged
 
 
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("np", [3])
 def test_ranks_that_silently_diverge_are_reported(run_ranks, tmp_path, np):
     result = run_ranks(np, WORKER, "divergence", tmp_path, timeout=300)
     assert outcomes(result.stdout, "divergence", np) == ["ok"] * np
@@ -58,7 +58,7 @@ def test_ranks_that_silently_diverge_are_reported(run_ranks, tmp_path, np):
         assert "keras_ring.load_model(path), not keras.models.load_model" in weights, weights
 
 
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("np", [3])
 def test_evaluate_and_predict_over_shards_give_the_whole_datas_results(run_ranks, tmp_path, np):
     result = run_ranks(np, WORKER, "evaluate_predict", tmp_path, timeout=300)
     assert outcomes(result.stdout, "evaluate_predict", np) == ["ok"] * np

@@ -140,17 +140,18 @@ def _worker_command(np_, *args, shell=False, transport="mpi"):
     return [run, "-np", str(np_), "--transport", transport, "--", *worker], marker
 
 
+# At 3 ranks each stopped rank (the coordinator, one in the middle, the last) has bystanders as
+# well as the coordinator to fail; 2 ranks run the cases 3 do not (rank 0 stopped in a large
+# allreduce, the ring over MPI).
 @pytest.mark.multirank
 @pytest.mark.timeout(JOB_LIMIT_SECONDS + 30)
 @pytest.mark.parametrize(
     "np_, stopped, size, shm, transport",
-    [(2, 1, "small", True, "mpi"), (2, 1, "large", True, "mpi"), (2, 0, "small", True, "mpi"),
-     (2, 0, "large", True, "mpi"), (2, 1, "large", False, "mpi"), (3, 2, "small", True, "mpi"),
+    [(2, 0, "large", True, "mpi"), (2, 1, "large", False, "mpi"), (3, 2, "small", True, "mpi"),
      (3, 1, "large", True, "mpi"), (3, 0, "small", True, "mpi"), (3, 2, "small", True, "tcp"),
      (3, 1, "large", False, "tcp")],
-    ids=["2-rank1-small", "2-rank1-large", "2-rank0-small", "2-rank0-large", "2-rank1-mpi",
-         "3-rank2-small", "3-rank1-large", "3-rank0-small", "3-rank2-small-tcp",
-         "3-rank1-tcp-ring"],
+    ids=["2-rank0-large", "2-rank1-mpi", "3-rank2-small", "3-rank1-large", "3-rank0-small",
+         "3-rank2-small-tcp", "3-rank1-tcp-ring"],
 )
 def test_a_stopped_rank_fails_the_others_naming_it_and_the_job_ends(np_, stopped, size, shm,
                                                                    transport, monkeypatch):

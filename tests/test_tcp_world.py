@@ -1,9 +1,10 @@
 """Jobs over the TCP world (`keras-ring-run --transport tcp`): no MPI launcher, no MPI.
 
-The multi-rank collective tests, the Keras equivalence test and the failure
-tests run here as they run over MPI; and the job's rendezvous store and its
-ranks refuse connections that do not hold the job's secret, while the job
-goes on.
+The engine's collective tests and a failure test run here as they run over
+MPI; and the job's rendezvous store and its ranks refuse connections that do
+not hold the job's secret, while the job goes on. The layers above the engine
+(the TF ops, Keras) do not know the world they run on: they run over MPI, and
+over TCP in tests/test_multihost.py, where the world is the subject.
 """
 
 import os
@@ -39,18 +40,6 @@ def test_hierarchical_allreduce_over_tcp_across_pretended_hosts(run_ranks):
                        timeout=600, env=env, transport="tcp")
     for rank in range(4):
         assert f"rank {rank}: test_restart ok" in result.stdout
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("np_", [2, 3])
-def test_tf_ops_over_tcp(run_ranks, np_):
-    run_ranks(np_, WORKERS / "tf_ops_worker.py", timeout=600, transport="tcp")
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("np_", [2, 3])
-def test_keras_equivalence_over_tcp(run_ranks, np_):
-    run_ranks(np_, WORKERS / "keras_equivalence_worker.py", "core", timeout=300, transport="tcp")
 
 
 @pytest.mark.multirank

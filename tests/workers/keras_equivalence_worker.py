@@ -1,7 +1,7 @@
 """The decisive test: N ranks at batch b train exactly as 1 rank at batch N*b.
 
-Run with 2 or 3 ranks, under the test launcher or plainly:
-`mpiexec -n 3 python tests/workers/keras_equivalence_worker.py core` (or `options`).
+Run with 2 or 3 ranks, under the test launcher or plainly, naming the suites
+to run in one job: `mpiexec -n 3 python tests/workers/keras_equivalence_worker.py core lazy`.
 
 Every rank builds the same model from the same seed and generates the same
 global data; rank r trains on rows [r*b, (r+1)*b) of each global batch of
@@ -347,12 +347,16 @@ SUITES = {"core": check_core, "options": check_options, "lazy": check_lazy}
 
 def main():
     global RANK, SIZE
-    suite = sys.argv[1]
+    suites = sys.argv[1:]
     kr.init()
     RANK, SIZE = kr.rank(), kr.size()
-    start = time.time()
     try:
-        SUITES[suite]()
+        for suite in suites:
+            start = time.time()
+            SUITES[suite]()
+            if RANK == 0 and not failures:
+                print(f"keras_equivalence_worker: {suite} passed on {SIZE} ranks "
+                      f"in {time.time() - start:.1f} s", flush=True)
     except Exception:  # noqa: BLE001 -- any failure must stop all ranks
         traceback.print_exc()
         print(f"keras_equivalence_worker: rank {RANK} failed with an exception", file=sys.stderr)
@@ -362,11 +366,6 @@ def main():
         print("\n".join(failures), file=sys.stderr)
         print(f"keras_equivalence_worker: rank {RANK}: {len(failures)} failures", file=sys.stderr)
         sys.exit(1)
-    if RANK == 0:
-        print(
-            f"keras_equivalence_worker: {suite} passed on {SIZE} ranks "
-            f"in {time.time() - start:.1f} s"
-        )
 
 
 if __name__ == "__main__":
