@@ -1,13 +1,19 @@
 """What a new user of keras-ring runs into, under the launcher (workers/keras_traps_worker.py)."""
 
+import os
 import pathlib
 import re
+import sys
 
 import pytest
+from conftest import run_job
 
 pytestmark = pytest.mark.multirank
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "keras_traps_worker.py"
+SCENARIOS = ["uneven", "divergence", "evaluate_predict"]
+# 3 ranks: uneven shards of three lengths, and ranks other than the root that differ.
+NP = 3
 
 
 def outcomes(output, scenario, np):
@@ -17,11 +23,20 @@ def outcomes(output, scenario, np):
     return [found[str(r)] for r in range(np)]
 
 
-@pytest.mark.parametrize("np", [3])
-def test_ranks_with_uneven_data_train_together(run_ranks, tmp_path, np):
+@pytest.fixture(scope="module")
+def traps(tmp_path_factory):
+    """The output of one 3-rank job that runs every scenario: the ranks start TensorFlow once."""
+    out_dir = tmp_path_factory.mktemp("traps")
+    command = [os.path.join(os.path.dirname(sys.executable), "keras-ring-run"), "-np", str(NP),
+               "--", sys.executable, str(WORKER), str(out_dir), *SCENARIOS]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(out_dir)  # away from the source tree, as every test runs
+        return run_job(command, f"{NP}-rank job {WORKER.name}", timeout=600).stdout
+
+
+def test_ranks_with_uneven_data_train_together(traps):
     # Rank r has 17 - r batches, in a dataset of unknown length and in arrays.
-    result = run_ranks(np, WORKER, "uneven", tmp_path, timeout=300)
-    assert outcomes(result.stdout, "uneven", np) == ["ok"] * np
+    assert outcomes(traps, "uneven", NP) == ["ok"] * NP
 
 
 def cases(output):
@@ -36,11 +51,9 @@ def cases(output):
     return logged
 
 
-@pytest.mark.parametrize("np", [3])
-def test_ranks_that_silently_diverge_are_reported(run_ranks, tmp_path, np):
-    result = run_ranks(np, WORKER, "divergence", tmp_path, timeout=300)
-    assert outcomes(result.stdout, "divergence", np) == ["ok"] * np
-    logged = cases(result.stdout)
+def test_ranks_that_silently_diverge_are_reported(traps):
+    assert outcomes(traps, "divergence", NP) == ["ok"] * NP
+    logged = cases(traps)
     diverged = {name: [w for w in warnings if w.startswith("The ranks have diverged")]
                 for name, warnings in logged.items()}
     assert diverged["agreeing"] == [] and diverged["plateau_after_average"] == [], logged
@@ -58,7 +71,5 @@ def test_ranks_that_silently_diverge_are_reported(run_ranks, tmp_path, np):
         assert "keras_ring.load_model(path), not keras.models.load_model" in weights, weights
 
 
-@pytest.mark.parametrize("np", [3])
-def test_evaluate_and_predict_over_shards_give_the_whole_datas_results(run_ranks, tmp_path, np):
-    result = run_ranks(np, WORKER, "evaluate_predict", tmp_path, timeout=300)
-    assert outcomes(result.stdout, "evaluate_predict", np) == ["ok"] * np
+def test_evaluate_and_predict_over_shards_give_the_whole_datas_results(traps):
+    assert outcomes(traps, "evaluate_predict", NP) == ["ok"] * NP

@@ -1,9 +1,10 @@
 """What a new user of keras-ring runs into, for tests/test_keras_traps.py.
 
-`keras-ring-run -np 2 python tests/workers/keras_traps_worker.py SCENARIO OUT_DIR`.
-Each scenario is one job: it does what a user would, and prints one line per
-rank, `<scenario> rank <r>: ok` or `<scenario> rank <r>: FAILED: <why>`, that
-the test reads. Scenarios whose job must fail print what each rank raised.
+`keras-ring-run -np 3 python tests/workers/keras_traps_worker.py OUT_DIR SCENARIO...`.
+The scenarios run one after another in one job, each with its own folder in
+OUT_DIR: each does what a user would, and prints one line per rank,
+`<scenario> rank <r>: ok` or `<scenario> rank <r>: FAILED: <why>`, that the
+test reads.
 """
 
 import os
@@ -241,10 +242,13 @@ SCENARIOS = {"uneven": uneven, "divergence": divergence,
 
 
 def main():
-    scenario, out_dir = sys.argv[1], sys.argv[2]
+    out_dir, scenarios = sys.argv[1], sys.argv[2:]
     kr.init()
-    outcome = SCENARIOS[scenario](out_dir)
-    print(f"{scenario} rank {kr.rank()}: {outcome}", flush=True)
+    for scenario in scenarios:
+        folder = os.path.join(out_dir, scenario)
+        os.makedirs(folder, exist_ok=True)
+        outcome = SCENARIOS[scenario](folder)
+        print(f"{scenario} rank {kr.rank()}: {outcome}", flush=True)
 
 
 if __name__ == "__main__":
