@@ -22,7 +22,7 @@ from conftest import RANK_THREAD_ENV, _tail
 from keras_ring._launcher import forker_segment_paths
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
-TIMEOUT = 10
+TIMEOUT = 6
 # Short stall settings, as the other tests': a tensor the stopped rank never submitted fails
 # after 3 s; then the exit's shutdown waits up to TIMEOUT for the stopped rank.
 ENV = {
