@@ -135,7 +135,9 @@ START_UP_SCRIPT = (
     "rank = os.environ['PMI_RANK']\n"
     f"for line in {START_UP_LINES + KEPT_LINES!r}:\n"
     "    os.write(2, (line.format(rank=rank) + '\\n').encode())\n"
-    "print('rank', rank, 'done')"
+    # One write, as a keras-ring rank's line-buffered print makes (PYTHONUNBUFFERED, which the
+    # launcher sets, would write print's pieces one by one, and two ranks' pieces may mix).
+    "os.write(1, f'rank {rank} done\\n'.encode())"
 )
 
 

@@ -120,9 +120,11 @@ def _check_job(np_, culprit, command, marker, fail_within, end_within=JOB_END_SE
                 tzinfo=datetime.timezone.utc).timestamp()
         delays[rank] = failed_at - stopped_at
         # Its own wait for the culprit, the stall of a tensor the culprit never submitted, or
-        # another rank's such failure, passed on: the culprit is named as the cause.
+        # another rank's such failure, passed on: the culprit is named as the cause. A stall may
+        # name a bystander too: one still in the last collective, waiting on the culprit (the
+        # ring's next rank, whose last receive the culprit never sent), has not submitted either.
         assert re.search(rf"\brank {culprit} (is stuck or stopped|\(pid \d+\) died)|ranks "
-                         rf"\[{culprit}\] to submit", failed[2]), failed[2]
+                         rf"\[(\d+, )*{culprit}(, \d+)*\] to submit", failed[2]), failed[2]
         assert delays[rank] < fail_within, (delays, text)
     assert ended - stopped_at < end_within, (ended - stopped_at, text)
     print(f"after the stop: failed after {delays} s, the job ended after "
