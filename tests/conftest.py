@@ -37,6 +37,32 @@ def pytest_configure(config):
         )
 
 
+_CPP_BUILDS = pytest.StashKey()
+
+
+def pytest_collection_modifyitems(config, items):
+    # The C++ suite runs last; its builds start now and run while the other tests do, on the
+    # cores those leave idle (tests/cpp_builds.py).
+    cpp = [item for item in items if item.path.name == "test_core_cpp.py"]
+    if cpp:
+        from cpp_builds import CppBuilds
+
+        items[:] = [item for item in items if item not in cpp] + cpp
+        config.stash[_CPP_BUILDS] = CppBuilds(tempfile.mkdtemp(prefix="kr-cpp-")).start()
+
+
+def pytest_unconfigure(config):
+    builds = config.stash.get(_CPP_BUILDS, None)
+    if builds is not None:
+        builds.stop()
+
+
+@pytest.fixture(scope="session")
+def cpp_builds(request):
+    """The C++ suite's builds (tests/cpp_builds.py), started when the tests were collected."""
+    return request.config.stash[_CPP_BUILDS]
+
+
 @pytest.fixture(autouse=True)
 def _outside_the_source_tree(tmp_path, monkeypatch):
     # `python -c` and `python script` put the working directory first on

@@ -5,6 +5,7 @@ an error naming that rank; the job must end with a non-zero exit soon after,
 leaving no process and no shared-memory segment behind.
 """
 
+import concurrent.futures
 import contextlib
 import datetime
 import os
@@ -50,13 +51,14 @@ def _leftovers(marker, session):
     return found
 
 
-def _run(command, marker):
-    """Runs a job in its own session; returns (exit code, output, end time, leftover processes).
+def _run(command, marker, env=None):
+    """Runs a job in its own session, with `env` added to ENV.
 
-    Leftovers are continued and killed after being recorded, so that a failing
-    test does not leave stopped ranks on the machine.
+    Returns (exit code, output, end time, leftover processes, whether it ran past
+    JOB_LIMIT_SECONDS). Leftovers are continued and killed after being recorded,
+    so that a failing test does not leave stopped ranks on the machine.
     """
-    env = {**os.environ, **RANK_THREAD_ENV, **ENV}
+    env = {**os.environ, **RANK_THREAD_ENV, **ENV, **(env or {})}
     with tempfile.TemporaryFile() as output:
         job = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output,
                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -77,10 +79,7 @@ def _run(command, marker):
         job.wait()
         output.seek(0)
         text = output.read().decode(errors="replace")
-    if timed_out:
-        pytest.fail(f"the job ran past {JOB_LIMIT_SECONDS} s; left running: {sorted(left)}. "
-                    f"Output tail:\n{_tail(text)}")
-    return job.returncode, text, ended, left
+    return job.returncode, text, ended, left, timed_out
 
 
 def _check_segments(text):
@@ -93,13 +92,16 @@ def _check_segments(text):
     return len(ranks)
 
 
-def _check_job(np_, culprit, command, marker, fail_within, end_within=JOB_END_SECONDS,
-               others_fail=True):
-    """Runs the job and checks every other rank's error, the job's end and what it left.
+def _check_job(np_, culprit, run, fail_within, end_within=JOB_END_SECONDS, others_fail=True):
+    """Checks a job's run (what _run returned): every other rank's error, the job's end and what
+    it left.
 
     Returns the job's output.
     """
-    returncode, text, ended, left = _run(command, marker)
+    returncode, text, ended, left, timed_out = run
+    if timed_out:
+        pytest.fail(f"the job ran past {JOB_LIMIT_SECONDS} s; left running: {sorted(left)}. "
+                    f"Output tail:\n{_tail(text)}")
     assert not left, f"left running: {sorted(left)}\n{_tail(text)}"
     assert returncode != 0, text
     assert _check_segments(text) == np_, text
@@ -144,33 +146,45 @@ def _worker_command(np_, *args, shell=False, transport="mpi"):
 
 # At 3 ranks each stopped rank (the coordinator, one in the middle, the last) has bystanders as
 # well as the coordinator to fail; 2 ranks run the cases 3 do not (rank 0 stopped in a large
-# allreduce, the ring over MPI).
+# allreduce, the ring over MPI). Case -> (ranks, the stopped rank, size, shared memory, world).
+STOPPED_CASES = {
+    "2-rank0-large": (2, 0, "large", True, "mpi"),
+    "2-rank1-mpi": (2, 1, "large", False, "mpi"),
+    "3-rank2-small": (3, 2, "small", True, "mpi"),
+    "3-rank1-large": (3, 1, "large", True, "mpi"),
+    "3-rank0-small": (3, 0, "small", True, "mpi"),
+    "3-rank2-small-tcp": (3, 2, "small", True, "tcp"),
+    "3-rank1-tcp-ring": (3, 1, "large", False, "tcp"),
+}
+
+
+@pytest.fixture(scope="module")
+def stopped_jobs():
+    """Every case's job, all at once: after the stop they only wait out the timeouts."""
+
+    def run(case):
+        np_, stopped, size, shm, transport = STOPPED_CASES[case]
+        command, marker = _worker_command(np_, "stopped_rank_worker.py", stopped, size, "STOP",
+                                          transport=transport)
+        return _run(command, marker, env=None if shm else {"KERAS_RING_SHM": "0"})
+
+    with concurrent.futures.ThreadPoolExecutor(len(STOPPED_CASES)) as pool:
+        return dict(zip(STOPPED_CASES, pool.map(run, STOPPED_CASES)))
+
+
 @pytest.mark.multirank
 @pytest.mark.timeout(JOB_LIMIT_SECONDS + 30)
-@pytest.mark.parametrize(
-    "np_, stopped, size, shm, transport",
-    [(2, 0, "large", True, "mpi"), (2, 1, "large", False, "mpi"), (3, 2, "small", True, "mpi"),
-     (3, 1, "large", True, "mpi"), (3, 0, "small", True, "mpi"), (3, 2, "small", True, "tcp"),
-     (3, 1, "large", False, "tcp")],
-    ids=["2-rank0-large", "2-rank1-mpi", "3-rank2-small", "3-rank1-large", "3-rank0-small",
-         "3-rank2-small-tcp", "3-rank1-tcp-ring"],
-)
-def test_a_stopped_rank_fails_the_others_naming_it_and_the_job_ends(np_, stopped, size, shm,
-                                                                   transport, monkeypatch):
-    if not shm:
-        monkeypatch.setitem(ENV, "KERAS_RING_SHM", "0")
-    command, marker = _worker_command(np_, "stopped_rank_worker.py", stopped, size, "STOP",
-                                      transport=transport)
+@pytest.mark.parametrize("case", STOPPED_CASES)
+def test_a_stopped_rank_fails_the_others_naming_it_and_the_job_ends(case, stopped_jobs):
+    np_, stopped, _, _, _ = STOPPED_CASES[case]
     grace = COORDINATOR_GRACE if stopped == 0 else 0
-    _check_job(np_, stopped, command, marker, fail_within=TIMEOUT + grace + MARGIN)
+    _check_job(np_, stopped, stopped_jobs[case], fail_within=TIMEOUT + grace + MARGIN)
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(JOB_LIMIT_SECONDS + 30)
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "mpi"])
-def test_a_rank_killed_behind_a_shell_ends_the_job_at_once(shm, monkeypatch):
-    if not shm:
-        monkeypatch.setitem(ENV, "KERAS_RING_SHM", "0")
+def test_a_rank_killed_behind_a_shell_ends_the_job_at_once(shm):
     command, marker = _worker_command(2, "stopped_rank_worker.py", 1, "large", "KILL",
                                       shell=True)
     # The MPI launcher sees sh exit (137: 128 + SIGKILL) and kills rank 0's sh; keras-ring-run
@@ -178,8 +192,8 @@ def test_a_rank_killed_behind_a_shell_ends_the_job_at_once(shm, monkeypatch):
     # may have seen the death first: in a shared-memory collective it does, at once; waiting
     # for rank 1 to submit its next tensor (the kill fell between two collectives), it does
     # not, and the launcher ends it.
-    text = _check_job(2, 1, command, marker, fail_within=2 + MARGIN, end_within=10,
-                      others_fail=False)
+    text = _check_job(2, 1, _run(command, marker, env=None if shm else {"KERAS_RING_SHM": "0"}),
+                      fail_within=2 + MARGIN, end_within=10, others_fail=False)
     assert "[0]1:Return code = 137" in text, text
     assert ("rank 0 (pid" in text and "outlived the rank process it ran under" in text
             or re.search(r"^rank 0 failed at .*rank 1 \(pid \d+\) died", text, re.MULTILINE)
@@ -193,4 +207,4 @@ def test_a_rank_killed_behind_a_shell_ends_the_job_at_once(shm, monkeypatch):
 @pytest.mark.timeout(JOB_LIMIT_SECONDS + 30)
 def test_a_rank_stopped_in_model_fit_fails_rank_0_naming_it():
     command, marker = _worker_command(2, "stopped_fit_worker.py", 5)
-    _check_job(2, 1, command, marker, fail_within=TIMEOUT + MARGIN)
+    _check_job(2, 1, _run(command, marker), fail_within=TIMEOUT + MARGIN)
