@@ -68,10 +68,10 @@ class CppBuilds:
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         for name, args in self.builds.items():
             build_dir = os.path.join(self.root, name)
+            if cmake is None:
+                self._errors[name] = "cmake is needed to build the C++ tests (pip install cmake)"
             steps = [[cmake, "-S", SOURCE, "-B", build_dir, *generator, *args],
                      [cmake, "--build", build_dir, "-j", "2"]] if cmake else []
-            if not cmake:
-                self._errors[name] = "cmake is needed to build the C++ tests (pip install cmake)"
             for step in steps:
                 if self._stopping:
                     break
