@@ -1,15 +1,22 @@
 """The rendezvous server through which the ranks of a TCP world find each other.
 
-The launcher runs one `RendezvousServer` per job: a key-value store on a
-thread, where each rank sets its listening address and gets the others'
+The launcher runs one `RendezvousServer` per job: a key-value store on
+threads, where each rank sets its listening address and gets the others'
 (the C++ client is `TcpStoreClient`, custom_ops/core/transport/tcp/store.h).
 Every connection must prove it holds the job's secret before anything is
 served; one that does not, or that sends garbage or oversized frames, is
-refused with one line on stderr naming its address, and the job goes on.
+refused, and the job goes on. Until it has logged in, a connection costs the
+server a socket and a few hundred bytes, not a thread: the logins are served
+together on one thread, each bounded in time (`handshake_timeout`) and in size
+(`MAX_LOGIN_FRAME_BYTES`), and so is their number, in all and per source
+address, by dropping the oldest. The first refusal is one line on stderr
+naming its address and reason; those that follow within `log_interval` are
+counted, by reason and address, on one line an interval.
 
 Wire protocol. Every message is a frame: a 4-byte big-endian payload length,
 then the payload, at most `MAX_FRAME_BYTES`; a connection that announces a
-longer frame is dropped. A connection first authenticates:
+longer frame is dropped (before login, one longer than
+`MAX_LOGIN_FRAME_BYTES`). A connection first authenticates:
 
     server -> client  b"KRS1" nonce_s[32]
     client -> server  b"KRS1" nonce_c[32] mac_c[32] role    (role: 1-256 bytes, e.g. b"rank 3")
@@ -47,10 +54,13 @@ Example:
     server.stop()
 """
 
+import collections
+import errno
 import hashlib
 import hmac
 import os
 import secrets
+import selectors
 import socket
 import struct
 import sys
@@ -65,11 +75,18 @@ MAX_ROLE_BYTES = 256
 _MAGIC = b"KRS1"
 _NONCE_BYTES = 32
 _MAC_BYTES = 32
+# The client's handshake frame, the only one a connection may send before it logs in.
+MAX_LOGIN_FRAME_BYTES = len(_MAGIC) + _NONCE_BYTES + _MAC_BYTES + MAX_ROLE_BYTES
 _OK, _NOT_SET, _ERROR = b"\x00", b"\x01", b"\x02"
 
 
 class _Refused(Exception):
-    """A connection broke the protocol; the message says how."""
+    """A connection broke the protocol: `message` says how, `kind` in a few words (for counts)."""
+
+    def __init__(self, message, kind="broke the protocol"):
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
 
 
 def _format_address(address):
@@ -121,18 +138,190 @@ def _send_frame(conn, payload, timeout):
     conn.sendall(struct.pack("!I", len(payload)) + payload)
 
 
+class _Login:
+    """A connection that has not yet proved it holds the secret, served without a thread.
+
+    The server greets it (`hello`) and reads its one handshake frame as it comes, up to
+    `MAX_LOGIN_FRAME_BYTES`, until its deadline.
+    """
+
+    def __init__(self, sock, peer, deadline, nonce_s):
+        self.sock = sock
+        self.peer = peer  # (host, port)
+        self.deadline = deadline
+        self.nonce_s = nonce_s
+        self.unsent = struct.pack("!I", len(_MAGIC) + _NONCE_BYTES) + _MAGIC + nonce_s
+        self.received = bytearray()
+
+    def advance(self, events):
+        """Sends and reads what the socket allows; returns the handshake frame once complete.
+
+        Raises:
+            _Refused: If the peer closed the connection or announced a frame too long.
+            OSError: If the connection broke.
+        """
+        if self.unsent and events & selectors.EVENT_WRITE:
+            self.unsent = self.unsent[self.sock.send(self.unsent):]
+        if not events & selectors.EVENT_READ:
+            return None
+        chunk = self.sock.recv(self._wanted())
+        if not chunk:
+            raise _Refused("it closed the connection in the middle of the handshake"
+                           if self.received else
+                           "it closed the connection before the handshake", "closed early")
+        self.received += chunk
+        if self._wanted() or self.unsent:
+            return None
+        return bytes(self.received[4:])
+
+    def _wanted(self):
+        """How many more bytes the handshake frame needs."""
+        if len(self.received) < 4:
+            return 4 - len(self.received)
+        (size,) = struct.unpack("!I", self.received[:4])
+        if size > MAX_LOGIN_FRAME_BYTES:
+            raise _Refused(f"it announced a handshake frame of {size} bytes; a handshake has "
+                           f"at most {MAX_LOGIN_FRAME_BYTES}", "not a handshake")
+        return 4 + size - len(self.received)
+
+
+class _Logins:
+    """The connections logging in, oldest first, on one selector, with the bounds on them."""
+
+    def __init__(self, selector, refusals, max_logins, max_per_address):
+        self.refusals = refusals
+        self._selector = selector
+        self._max_logins = max_logins
+        self._max_per_address = max_per_address
+        self._logins = {}  # socket -> _Login, in the order they came
+        self._per_address = collections.Counter()
+
+    def __contains__(self, login):
+        return self._logins.get(login.sock) is login
+
+    def add(self, login):
+        self._logins[login.sock] = login
+        self._per_address[login.peer[0]] += 1
+        self._selector.register(login.sock, selectors.EVENT_READ, login)
+
+    def watch(self, login):
+        """Waits for `login` to be readable, and writable while it has something to send."""
+        self._selector.modify(login.sock, selectors.EVENT_READ | (
+            selectors.EVENT_WRITE if login.unsent else 0), login)
+
+    def remove(self, login):
+        """Forgets `login`, leaving its socket open."""
+        self._selector.unregister(login.sock)
+        del self._logins[login.sock]
+        self._per_address[login.peer[0]] -= 1
+        if not self._per_address[login.peer[0]]:
+            del self._per_address[login.peer[0]]
+
+    def drop(self, login, refusal, now):
+        """Closes `login`'s connection and logs why."""
+        self.remove(login)
+        login.sock.close()
+        self.refusals.refuse(login.peer, refusal, now)
+
+    def make_room(self, host, now):
+        """Drops the oldest login from `host`, or the oldest of all, where the next would
+        pass a bound."""
+        if host is not None and self._per_address[host] >= self._max_per_address:
+            oldest = next(x for x in self._logins.values() if x.peer[0] == host)
+            self.drop(oldest, _Refused(
+                f"it was one of more than {self._max_per_address} connections logging in at "
+                "once from its address", "dropped for a newer one from its address"), now)
+        elif self._logins and (host is None or len(self._logins) >= self._max_logins):
+            self.drop(next(iter(self._logins.values())), _Refused(
+                f"it was one of more than {self._max_logins} connections logging in at once",
+                "dropped for a newer one"), now)
+
+    def next_deadline(self):
+        """The next time `expire` or the refusal log has something to do, or None."""
+        times = [t for t in (self.refusals.next_flush(),) if t is not None]
+        if self._logins:
+            times.append(next(iter(self._logins.values())).deadline)
+        return min(times) if times else None
+
+    def expire(self, now, timeout):
+        """Drops the logins past their deadline (the oldest come first)."""
+        while self._logins and next(iter(self._logins.values())).deadline <= now:
+            self.drop(next(iter(self._logins.values())), _Refused(
+                f"it did not log in within {timeout:g} s", "did not log in in time"), now)
+
+    def close(self):
+        for login in self._logins.values():
+            login.sock.close()
+        self._logins.clear()
+        self.refusals.flush(time.monotonic(), stopping=True)
+
+
+class _RefusalLog:
+    """Refused connections on stderr: the first one line in full, then, while they keep
+    coming, one line each `interval` seconds that counts them by reason and address."""
+
+    def __init__(self, interval):
+        self._interval = interval
+        self._quiet_until = 0.0
+        self._since = 0.0
+        self._reasons = collections.Counter()
+        self._addresses = collections.Counter()
+
+    def refuse(self, peer, refusal, now):
+        if now >= self._quiet_until and not self._reasons:
+            _log(f"refused a connection from {_format_address(peer)}: {refusal.message}")
+            self._quiet_until = now + self._interval
+            self._since = now
+            return
+        self._reasons[refusal.kind] += 1
+        self._addresses[peer[0]] += 1
+
+    def next_flush(self):
+        """When `flush` has something to say, or None."""
+        return self._quiet_until if self._reasons else None
+
+    def flush(self, now, stopping=False):
+        if not self._reasons or (now < self._quiet_until and not stopping):
+            return
+        count = sum(self._reasons.values())
+        reasons = "; ".join(f"{n} {kind}" for kind, n in self._reasons.most_common())
+        top = self._addresses.most_common(3)
+        addresses = ", ".join(f"{host} ({n})" for host, n in top)
+        if len(self._addresses) > len(top):
+            addresses += f" and {len(self._addresses) - len(top)} more addresses"
+        _log(f"refused {count} more connection{'s' if count > 1 else ''} in the last "
+             f"{now - self._since:.1f} s ({reasons}), from {addresses}")
+        self._reasons.clear()
+        self._addresses.clear()
+        self._quiet_until = now + self._interval
+        self._since = now
+
+
+def _log(message):
+    print(f"keras-ring rendezvous: {message}", file=sys.stderr, flush=True)
+
+
 class RendezvousServer:
-    """A job's key-value rendezvous store, served on a thread.
+    """A job's key-value rendezvous store, served on threads.
+
+    Connections that have not logged in are served together on one thread,
+    each with a deadline, a bounded handshake frame, and a bounded number of
+    them at once, in all and per source address: past a bound, the oldest is
+    dropped, so a flood of idle connections cannot keep a rank out. Each
+    logged-in connection is served on a thread of its own.
 
     Args:
         secret: The job's secret (bytes, not empty); every client proves it
             holds it, and so does the server.
         host: The address to listen on; one that every rank can reach.
         port: The port; 0 picks a free one (see `address`).
-        handshake_timeout: Seconds a connection may take to authenticate.
-        idle_timeout: Seconds an authenticated connection may stay silent.
-        max_connections: Connections served at once; more are refused.
+        handshake_timeout: Seconds a connection may take to log in.
+        idle_timeout: Seconds a logged-in connection may stay silent.
+        max_connections: Logged-in connections served at once; more are refused.
+        max_logins: Connections logging in at once.
+        max_logins_per_address: Connections logging in at once from one address.
         max_store_bytes: The most the stored keys and values may take.
+        log_interval: Seconds between the lines that count refused connections.
 
     Raises:
         TypeError: If `secret` is not bytes.
@@ -145,7 +334,8 @@ class RendezvousServer:
     """
 
     def __init__(self, secret, host="127.0.0.1", port=0, *, handshake_timeout=10.0,
-                 idle_timeout=600.0, max_connections=4096, max_store_bytes=256 << 20):
+                 idle_timeout=600.0, max_connections=4096, max_logins=512,
+                 max_logins_per_address=128, max_store_bytes=256 << 20, log_interval=10.0):
         if not isinstance(secret, bytes):
             raise TypeError("secret must be bytes. "
                             f"Received: secret of type {type(secret).__name__}")
@@ -154,7 +344,10 @@ class RendezvousServer:
         for name, value in (("handshake_timeout", handshake_timeout),
                             ("idle_timeout", idle_timeout),
                             ("max_connections", max_connections),
-                            ("max_store_bytes", max_store_bytes)):
+                            ("max_logins", max_logins),
+                            ("max_logins_per_address", max_logins_per_address),
+                            ("max_store_bytes", max_store_bytes),
+                            ("log_interval", log_interval)):
             if not value > 0:
                 raise ValueError(f"{name} must be positive. Received: {name}={value!r}")
         self._secret = secret
@@ -163,15 +356,19 @@ class RendezvousServer:
         self._handshake_timeout = handshake_timeout
         self._idle_timeout = idle_timeout
         self._max_connections = max_connections
+        self._max_logins = max_logins
+        self._max_logins_per_address = max_logins_per_address
         self._max_store_bytes = max_store_bytes
+        self._log_interval = log_interval
         self._listener = None
-        self._accept_thread = None
+        self._login_thread = None
+        self._wake = None  # (read, write) sockets that wake the login thread to stop
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._values = {}  # guarded by _lock, as is everything below
         self._stored_bytes = 0
         self._changes = 0  # sets so far, from clients and from this process
-        self._connections = {}  # socket -> its thread
+        self._connections = {}  # logged-in socket -> its thread
         self._stopping = False
 
     @property
@@ -187,10 +384,13 @@ class RendezvousServer:
             raise RuntimeError("the rendezvous server is started already")
         self._stopping = False
         family = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)[0][0]
-        self._listener = socket.create_server((self._host, self._port), family=family)
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="keras-ring-rendezvous", daemon=True)
-        self._accept_thread.start()
+        self._listener = socket.create_server((self._host, self._port), family=family,
+                                              backlog=1024)
+        self._listener.setblocking(False)
+        self._wake = socket.socketpair()
+        self._login_thread = threading.Thread(
+            target=self._login_loop, name="keras-ring-rendezvous", daemon=True)
+        self._login_thread.start()
 
     def stop(self):
         """Stops serving, closes every connection and waits for the threads."""
@@ -200,18 +400,20 @@ class RendezvousServer:
             self._stopping = True
             self._changed.notify_all()
             connections = list(self._connections.items())
-        # shutdown() wakes the threads blocked in accept() and recv().
-        for sock in [self._listener] + [c for c, _ in connections]:
+        self._wake[1].send(b"x")
+        # shutdown() wakes the threads blocked in recv().
+        for sock, _ in connections:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._accept_thread.join()
+        self._login_thread.join()
         for _, thread in connections:
             thread.join()
         self._listener.close()
         self._listener = None
-
+        for sock in self._wake:
+            sock.close()
     # In-process access for the launcher that serves the store. Keys are text (UTF-8), values
     # bytes.
 
@@ -300,68 +502,121 @@ class RendezvousServer:
     def __exit__(self, *exc_info):
         self.stop()
 
-    def _accept_loop(self):
-        while True:
+    def _login_loop(self):
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake[0], selectors.EVENT_READ)
+        selector.register(self._listener, selectors.EVENT_READ)
+        logins = _Logins(selector, _RefusalLog(self._log_interval), self._max_logins,
+                         self._max_logins_per_address)
+        resume_at = None  # when to listen again, after running out of file descriptors
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                if resume_at is not None and now >= resume_at:
+                    selector.register(self._listener, selectors.EVENT_READ)
+                    resume_at = None
+                wake_at = [t for t in (logins.next_deadline(), resume_at) if t is not None]
+                timeout = max(0.0, min(wake_at) - now) if wake_at else None
+                for key, events in selector.select(timeout):
+                    now = time.monotonic()
+                    if key.fileobj is self._listener:
+                        if not self._accept(logins, now):
+                            selector.unregister(self._listener)
+                            resume_at = now + 0.1
+                    elif key.fileobj is not self._wake[0] and key.data in logins:
+                        self._advance(logins, key.data, events, now)
+                now = time.monotonic()
+                logins.expire(now, self._handshake_timeout)
+                logins.refusals.flush(now)
+        finally:
+            logins.close()
+            selector.close()
+
+    def _accept(self, logins, now):
+        """Accepts what the listener has; returns False if it ran out of file descriptors."""
+        for _ in range(64):
             try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return  # stop() shut the listener down
-            peer = _format_address(peer)
+                sock, peer = self._listener.accept()
+            except BlockingIOError:
+                return True
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    logins.make_room(None, now)  # the next connection takes an old one's place
+                    return False
+                continue  # ECONNABORTED and the like: that connection is gone
+            sock.setblocking(False)
+            logins.make_room(peer[0], now)
+            login = _Login(sock, peer[:2], now + self._handshake_timeout,
+                           secrets.token_bytes(_NONCE_BYTES))
+            logins.add(login)
+            self._advance(logins, login, selectors.EVENT_WRITE, now)
+        return True
+
+    def _advance(self, logins, login, events, now):
+        """Sends and reads what `login`'s socket allows; admits it once its frame is in."""
+        try:
+            frame = login.advance(events)
+        except _Refused as refusal:
+            logins.drop(login, refusal, now)
+            return
+        except OSError as e:
+            logins.drop(login, _Refused(e.strerror or str(e), "broken off"), now)
+            return
+        if frame is None:
+            logins.watch(login)
+            return
+        logins.remove(login)
+        self._admit(login, frame, logins.refusals, now)
+
+    def _admit(self, login, answer, refusals, now):
+        """Checks a complete handshake; serves its connection on a thread if it logs in."""
+        head = len(_MAGIC) + _NONCE_BYTES + _MAC_BYTES
+        if not answer.startswith(_MAGIC) or not head < len(answer):
+            refusal = _Refused("it did not answer with a keras-ring handshake", "not a handshake")
+        else:
+            nonce_c = answer[len(_MAGIC):len(_MAGIC) + _NONCE_BYTES]
+            role = answer[head:]
+            expected = _mac(self._secret, b"keras-ring store client", login.nonce_s, nonce_c,
+                            role)
+            if hmac.compare_digest(answer[head - _MAC_BYTES:head], expected):
+                refusal = None
+            else:
+                refusal = _Refused("it does not hold the job's secret", "without the secret")
+        if refusal is None:
+            proof = _mac(self._secret, b"keras-ring store server", login.nonce_s, nonce_c, role)
             with self._lock:
-                refuse = self._stopping or len(self._connections) >= self._max_connections
-                if not refuse:
-                    thread = threading.Thread(target=self._serve, args=(conn, peer), daemon=True)
-                    self._connections[conn] = thread
-            if refuse:
-                if not self._stopping:
-                    self._log(f"refused a connection from {peer}: it is one more than the "
-                              f"{self._max_connections} served at once")
-                conn.close()
-                continue
-            thread.start()
+                if self._stopping:
+                    login.sock.close()
+                    return
+                if len(self._connections) >= self._max_connections:
+                    refusal = _Refused(f"it is one more than the {self._max_connections} "
+                                       "served at once", "over the bound on connections")
+                else:
+                    thread = threading.Thread(
+                        target=self._serve, daemon=True,
+                        args=(login.sock, _format_address(login.peer),
+                              role.decode("utf-8", "replace"), proof))
+                    self._connections[login.sock] = thread
+        if refusal is not None:
+            login.sock.close()
+            refusals.refuse(login.peer, refusal, now)
+            return
+        thread.start()
 
-    def _log(self, message):
-        print(f"keras-ring rendezvous: {message}", file=sys.stderr, flush=True)
-
-    def _serve(self, conn, peer):
+    def _serve(self, conn, peer, role, proof):
         try:
             with conn:
+                conn.setblocking(True)
                 try:
-                    role = self._authenticate(conn)
-                except _Refused as e:
-                    self._log(f"refused a connection from {peer}: {e}")
-                    return
-                except OSError as e:
-                    self._log(f"refused a connection from {peer}: {e.strerror or e}")
-                    return
-                try:
+                    _send_frame(conn, proof, self._handshake_timeout)
                     self._serve_requests(conn, role)
                 except _Refused as e:
-                    self._log(f"dropped the connection of {role} from {peer}: {e}")
+                    _log(f"dropped the connection of {role} from {peer}: {e.message}")
                 except OSError:
                     pass  # the client went away; a rank's own error says why
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
-
-    def _authenticate(self, conn):
-        deadline = time.monotonic() + self._handshake_timeout
-        nonce_s = secrets.token_bytes(_NONCE_BYTES)
-        _send_frame(conn, _MAGIC + nonce_s, self._handshake_timeout)
-        answer = _recv_frame(conn, deadline, "the handshake")
-        head = len(_MAGIC) + _NONCE_BYTES + _MAC_BYTES
-        if answer is None:
-            raise _Refused("it closed the connection before the handshake")
-        if not answer.startswith(_MAGIC) or not head < len(answer) <= head + MAX_ROLE_BYTES:
-            raise _Refused("it did not answer with a keras-ring handshake")
-        nonce_c = answer[len(_MAGIC):len(_MAGIC) + _NONCE_BYTES]
-        role = answer[head:]
-        expected = _mac(self._secret, b"keras-ring store client", nonce_s, nonce_c, role)
-        if not hmac.compare_digest(answer[head - _MAC_BYTES:head], expected):
-            raise _Refused("it does not hold the job's secret")
-        proof = _mac(self._secret, b"keras-ring store server", nonce_s, nonce_c, role)
-        _send_frame(conn, proof, self._handshake_timeout)
-        return role.decode("utf-8", "replace")
 
     def _serve_requests(self, conn, role):
         while True:
@@ -409,6 +664,8 @@ class RendezvousServer:
         if len(key) != key_size or not 0 < key_size <= MAX_KEY_BYTES:
             raise _Refused(f"it sent a malformed key ({len(key)} bytes where it announced "
                            f"{key_size}, at most {MAX_KEY_BYTES})")
+
+
 
 
 class RendezvousClient:

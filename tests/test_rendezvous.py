@@ -1,18 +1,21 @@
 """The rendezvous server: set and get, bounded waits, and clients without the
 job's secret, with garbage or with oversized frames refused and logged while
-the job's own clients are still served."""
+the job's own clients are still served; a flood of connections that never log
+in leaves the server's memory, threads and log bounded."""
 
 import hashlib
 import hmac
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from keras_ring._rendezvous import MAX_FRAME_BYTES, RendezvousServer
+from keras_ring._rendezvous import MAX_LOGIN_FRAME_BYTES, RendezvousClient, RendezvousServer
 
 SECRET = b"the job's secret"
 
@@ -139,16 +142,18 @@ def test_garbage_is_refused_and_logged(server, capsys):
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert_closed_by_server(s)
     err = capsys.readouterr().err
-    assert f"refused a connection from 127.0.0.1:{port}: it announced a frame of" in err
+    assert f"refused a connection from 127.0.0.1:{port}: it announced a handshake frame of" in err
     with Client(server.address) as c:
         assert c.authenticated
 
 
-def test_oversized_frame_is_refused_before_it_is_read(server, capsys):
+def test_a_handshake_frame_longer_than_a_handshake_is_refused_before_it_is_read(server, capsys):
+    # A real handshake is at most MAX_LOGIN_FRAME_BYTES; a longer one is refused at its header.
     with socket.create_connection(server.address, timeout=10) as s:
-        s.sendall(struct.pack("!I", MAX_FRAME_BYTES + 1))
+        s.sendall(struct.pack("!I", MAX_LOGIN_FRAME_BYTES + 1))
         assert_closed_by_server(s)
-    assert f"a frame of {MAX_FRAME_BYTES + 1} bytes" in capsys.readouterr().err
+    assert (f"a handshake frame of {MAX_LOGIN_FRAME_BYTES + 1} bytes; a handshake has at most "
+            f"{MAX_LOGIN_FRAME_BYTES}") in capsys.readouterr().err
 
 
 def test_malformed_request_drops_the_connection(server, capsys):
@@ -166,7 +171,7 @@ def test_silent_client_is_refused_while_others_are_served(capsys):
                 c.set(b"k", b"v")
                 assert c.get(b"k", 0) == b"v"
             assert_closed_by_server(silent)
-    assert "it sent nothing for too long while sending the handshake" in capsys.readouterr().err
+    assert "it did not log in within 0.3 s" in capsys.readouterr().err
 
 
 def test_stop_ends_a_waiting_get():
@@ -274,3 +279,124 @@ def test_set_in_process_is_checked_as_a_clients_set():
             server.set("k", b"v" * 64)
         server.set("k", b"v" * 32)
         assert server.get("k") == b"v" * 32
+
+
+# Connections that never log in.
+
+
+def _connect_from(address, source):
+    """A connection to `address` from the loopback address `source` (127.0.0.0/8)."""
+    return socket.create_connection(address, timeout=10, source_address=(source, 0))
+
+
+def test_past_the_bound_per_address_the_oldest_login_from_that_address_is_dropped(capsys):
+    with RendezvousServer(SECRET, max_logins_per_address=3) as server:
+        elsewhere = _connect_from(server.address, "127.0.0.1")
+        idle = [_connect_from(server.address, "127.0.0.2") for _ in range(3)]
+        port = idle[0].getsockname()[1]
+        newest = _connect_from(server.address, "127.0.0.2")
+        assert_closed_by_server(idle[0])  # the oldest from 127.0.0.2, and only it
+        with Client(server.address) as c:  # from 127.0.0.1, with one idle login there
+            assert c.authenticated
+        for sock in idle[1:] + [newest, elsewhere]:
+            sock.setblocking(False)
+            assert sock.recv(64)[4:8] == b"KRS1"  # greeted and still open
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)
+        for sock in idle + [newest, elsewhere]:
+            sock.close()
+    assert (f"refused a connection from 127.0.0.2:{port}: it was one of more than 3 "
+            "connections logging in at once from its address") in capsys.readouterr().err
+
+
+def test_past_the_bound_in_all_the_oldest_login_is_dropped(capsys):
+    with RendezvousServer(SECRET, max_logins=4) as server:
+        idle = [_connect_from(server.address, f"127.0.0.{2 + i}") for i in range(4)]
+        with Client(server.address) as c:
+            assert c.authenticated
+        assert_closed_by_server(idle[0])
+        for sock in idle:
+            sock.close()
+    assert "it was one of more than 4 connections logging in at once" in capsys.readouterr().err
+
+
+def test_refusals_after_the_first_are_counted_on_one_line(capsys):
+    with RendezvousServer(SECRET, log_interval=600) as server:
+        for _ in range(20):
+            with Client(server.address, secret=b"wrong") as intruder:
+                assert not intruder.authenticated
+        with socket.create_connection(server.address, timeout=10) as s:
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            assert_closed_by_server(s)
+        with Client(server.address) as c:
+            assert c.authenticated
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].endswith("it does not hold the job's secret")
+    assert "refused 20 more connections in the last" in lines[1]
+    assert "(19 without the secret; 1 not a handshake), from 127.0.0.1 (20)" in lines[1]
+
+
+def _status(pid):
+    """{field: value} of /proc/PID/status."""
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+
+
+def _flood(address, huge_frames, idle, sources):
+    """Connections that never log in: `huge_frames` that each announce a 1 MiB handshake
+    frame and send all of it but its last byte, and `idle` that send nothing, spread over
+    the `sources` addresses."""
+    socks = []
+    payload = struct.pack("!I", 1 << 20) + b"\0" * ((1 << 20) - 1)
+    for i in range(huge_frames + idle):
+        try:
+            s = _connect_from(address, sources[i % len(sources)])
+        except OSError:
+            continue  # the backlog is full for a moment: the server is dropping logins
+        socks.append(s)
+        if i < huge_frames:
+            s.settimeout(0.5)
+            try:
+                s.sendall(payload)
+            except OSError:
+                pass  # refused at the frame's header, closed while we send the rest
+    return socks
+
+
+@pytest.mark.timeout(120)
+def test_a_flood_of_connections_that_never_log_in_leaves_the_server_bounded_and_serving(
+        tmp_path):
+    # The store runs as the launcher runs it: in a process of its own (of the installed build).
+    server = subprocess.Popen([sys.executable, "-c", "from keras_ring import _rendezvous; "
+                               "_rendezvous._serve_until_stdin_closes()"], cwd=tmp_path,
+                              env={**os.environ, "KERAS_RING_SECRET": SECRET.hex()},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    socks = []
+    try:
+        host, _, port = server.stdout.readline().strip().rpartition(":")
+        address = (host, int(port))
+        with RendezvousClient(f"{host}:{port}", SECRET, "rank 0", timeout=10) as rank:
+            rank.set("before", b"1")
+        before = _status(server.pid)
+        socks = _flood(address, huge_frames=300, idle=2000,
+                       sources=[f"127.0.0.{i}" for i in range(1, 9)])
+        during = _status(server.pid)
+        # A rank logs in, sets and gets while the idle connections are still open.
+        with RendezvousClient(f"{host}:{port}", SECRET, "rank 1", timeout=10) as rank:
+            rank.set("during", b"2")
+            assert rank.get("before", timeout=1) == b"1"
+            assert rank.get("during", timeout=1) == b"2"
+    finally:
+        for s in socks:
+            s.close()
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err
+    rss_mib = (int(during["VmRSS"].split()[0]) - int(before["VmRSS"].split()[0])) / 1024
+    assert int(during["Threads"]) <= int(before["Threads"]), (before["Threads"],
+                                                               during["Threads"])
+    assert rss_mib < 16, f"the server grew by {rss_mib:.0f} MiB under the flood"
+    lines = err.splitlines()
+    assert len(lines) <= 4, err  # the first refusal, then counts (one a log interval, one at stop)
+    assert "more connections in the last" in lines[-1]
