@@ -4,7 +4,8 @@ No MPI launcher is involved. This process serves the job's rendezvous store
 (`_rendezvous.RendezvousServer`), authenticated with a secret made for the
 job, starts every rank with its rank, size, the store's address and the
 secret in its environment (ranks on other hosts through the remote shell,
-the secret on the shell's stdin, never on a command line), relays their
+their environment and the secret on the shell's stdin, never on a command
+line), relays their
 output, and ends the job when one rank fails: the others have `REPORT_SECONDS`
 to fail by themselves, naming it, then get SIGCONT and SIGTERM (a stopped
 rank must wake to die), then SIGKILL after `GRACE_SECONDS`. A one-host
@@ -155,16 +156,18 @@ def _rank_env(env, rank, size, store, secret):
             "KERAS_RING_SIZE": str(size)}
 
 
-def _remote_command(env, command):
-    """The shell command line that runs `command` on another host, in this directory.
+# What the remote shell runs on another host: a POSIX shell that reads its script from stdin
+# (`_remote_script`). A command line is visible to every user of a host, so it holds no value.
+REMOTE_COMMAND = "sh -s"
 
-    The secret comes on stdin: a command line is visible to every user of that host.
-    """
-    exports = " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(env.items())
-                       if name not in _LOCAL_ONLY_ENV and name != SECRET_VARIABLE
-                       and name.isidentifier())
-    return (f"cd {shlex.quote(os.getcwd())} && IFS= read -r {SECRET_VARIABLE} && "
-            f"export {SECRET_VARIABLE} && exec env {exports} {shlex.join(command)}")
+
+def _remote_script(env, command):
+    """The script, sent on the remote shell's stdin, that runs `command` on another host in
+    this directory with `env` (the secret included), less what describes this shell only."""
+    exports = "".join(f"export {name}={shlex.quote(value)}\n"
+                      for name, value in sorted(env.items())
+                      if name not in _LOCAL_ONLY_ENV and name.isidentifier())
+    return f"cd {shlex.quote(os.getcwd())} || exit\n{exports}exec {shlex.join(command)}\n"
 
 
 class Started:
@@ -190,7 +193,7 @@ def start_process(name, host, env, options, prefix, quiet):
         name: What an error calls it ("rank 3").
         host: The host, or None for this one; another host's process is
             started through `options.remote_shell` (ssh by default), with
-            the secret on its stdin.
+            its environment (with the secret) on its stdin.
         env: Its environment (with `SECRET_VARIABLE`).
         options: The namespace from `_launcher.parse_args()`.
         prefix: What goes before each of its output lines, or "" (then its
@@ -214,8 +217,7 @@ def start_process(name, host, env, options, prefix, quiet):
     if host is None:
         argv, stdin = options.command, subprocess.DEVNULL
     else:
-        argv, stdin = [options.remote_shell or "ssh", host,
-                       _remote_command(env, options.command)], subprocess.PIPE
+        argv, stdin = [options.remote_shell or "ssh", host, REMOTE_COMMAND], subprocess.PIPE
     try:
         # A session of its own: the job's end reaches the process's own children too.
         process = subprocess.Popen(argv, env=env, stdin=stdin, start_new_session=True,
@@ -228,7 +230,7 @@ def start_process(name, host, env, options, prefix, quiet):
         for fd in pipes.values():
             os.close(fd)
     if host is not None:
-        process.stdin.write(env[SECRET_VARIABLE].encode() + b"\n")
+        process.stdin.write(_remote_script(env, options.command).encode())
         process.stdin.close()
     return Started(name, process, streams)
 

@@ -125,18 +125,30 @@ def test_the_hosts_reach_each_other_and_only_each_other(netns_hosts):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("grouping, transport", [("hostname", "mpi"), ("system", "mpi"),
                                                  ("system", "tcp")])
-def test_engine_collectives_across_hosts(netns_hosts, grouping, transport):
+def test_engine_collectives_across_hosts(netns_hosts, grouping, transport, tmp_path):
     # Every collective against NumPy (engine_worker.py) on 2 hosts x 2 ranks: the hierarchical
     # allreduce (shared memory within a host, MPI across) over TCP between the namespaces.
     # "hostname": the engine groups ranks by KERAS_RING_HOSTNAME, as the remote shell sets it;
     # "system": by each host's own name (gethostname: the remote shell gives each namespace its
     # own), as on a real cluster.
+    # The user's environment reaches every rank, and no value of it is on the remote shell's
+    # command line (which every user of either host sees in `ps`), the job's secret included.
+    canary = f"canary-{os.getpid()}-{time.time_ns()}"
+    remote_shell_log = tmp_path / "remote_shell_argv"
+    remote_shell = tmp_path / "logging_rsh.sh"
+    remote_shell.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {remote_shell_log}\n'
+                            f'exec {netns_hosts.env()["KERAS_RING_REMOTE_SHELL"]} "$@"\n')
+    remote_shell.chmod(0o755)
     env = {"KR_TEST_EXPECTED_SIZE": "4", "KR_TEST_PATH": "hierarchical", "KR_TEST_LOCAL_SIZE": "2",
-           "KR_NETNS_SET_HOSTNAME": "1" if grouping == "hostname" else "0"}
+           "KR_NETNS_SET_HOSTNAME": "1" if grouping == "hostname" else "0",
+           "KR_TEST_CANARY": canary, "KERAS_RING_REMOTE_SHELL": str(remote_shell)}
     before = netns_hosts.port_bytes()
     result = run_across(netns_hosts, [2, 2], WORKERS / "netns_worker.py", env=env, timeout=240,
                         transport=transport)
     moved = [after - b for after, b in zip(netns_hosts.port_bytes(), before)]
+    command_lines = remote_shell_log.read_text()
+    assert "host1" in command_lines
+    assert canary not in command_lines and "KERAS_RING_SECRET" not in command_lines, command_lines
     for rank in range(4):
         assert f"rank {rank}: test_restart ok" in result.stdout
     where = _where(result.stdout)
@@ -148,6 +160,7 @@ def test_engine_collectives_across_hosts(netns_hosts, grouping, transport):
         assert seen["hostname"] == netns_hosts.hosts[host]
         expected_name = netns_hosts.hosts[host] if grouping == "hostname" else None
         assert seen["KERAS_RING_HOSTNAME"] == expected_name
+        assert seen["canary"] == canary
         assert (seen["local_rank"], seen["local_size"]) == (rank % 2, 2)
         assert (seen["cross_rank"], seen["cross_size"]) == (host, 2)
         # The allreduces took the hierarchical path (test_transport checked it too).

@@ -6,7 +6,8 @@ prints, after engine_worker.py's lines, one line per rank:
 
     rank R: where {"netns": ..., "hostname": ..., "local_size": ..., ..., "stats": {...}}
 
-with the inode of the rank's network namespace, its host name, its place in the
+with the inode of the rank's network namespace, its host name, KR_TEST_CANARY
+(a value of the launching shell's environment), its place in the
 job (local and cross rank and size) and the engine's stats as test_transport
 (which checks the path against KR_TEST_PATH) saw them, before test_restart
 starts the engine again.
@@ -40,6 +41,7 @@ where = {
     "netns": os.stat("/proc/self/ns/net").st_ino,
     "hostname": socket.gethostname(),
     "KERAS_RING_HOSTNAME": os.environ.get("KERAS_RING_HOSTNAME"),
+    "canary": os.environ.get("KR_TEST_CANARY"),
     "local_rank": kr.local_rank(),
     "local_size": kr.local_size(),
     "cross_rank": kr.cross_rank(),
