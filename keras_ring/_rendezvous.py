@@ -141,8 +141,8 @@ def _send_frame(conn, payload, timeout):
 class _Login:
     """A connection that has not yet proved it holds the secret, served without a thread.
 
-    The server greets it (`hello`) and reads its one handshake frame as it comes, up to
-    `MAX_LOGIN_FRAME_BYTES`, until its deadline.
+    The server sends its greeting (`unsent` holds what is left of it) and reads the client's
+    one handshake frame as it comes, up to `MAX_LOGIN_FRAME_BYTES`, until `deadline`.
     """
 
     def __init__(self, sock, peer, deadline, nonce_s):
