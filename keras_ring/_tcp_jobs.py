@@ -156,9 +156,10 @@ def _rank_env(env, rank, size, store, secret):
             "KERAS_RING_SIZE": str(size)}
 
 
-# What the remote shell runs on another host: a POSIX shell that reads its script from stdin
-# (`_remote_script`). A command line is visible to every user of a host, so it holds no value.
-REMOTE_COMMAND = "sh -s"
+# What the remote shell runs on another host: a POSIX shell, in the login shell's place (so that
+# the rank's exit status and signals reach the launcher as its own), that reads its script from
+# stdin (`_remote_script`). A command line is visible to every user of a host: it holds no value.
+REMOTE_COMMAND = "exec sh -s"
 
 
 def _remote_script(env, command):
