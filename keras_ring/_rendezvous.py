@@ -238,10 +238,10 @@ class _Logins:
 
     def next_deadline(self):
         """The next time `expire` or the refusal log has something to do, or None."""
-        times = [t for t in (self.refusals.next_flush(),) if t is not None]
+        times = [self.refusals.next_flush()]
         if self._logins:
             times.append(next(iter(self._logins.values())).deadline)
-        return min(times) if times else None
+        return min((t for t in times if t is not None), default=None)
 
     def expire(self, now, timeout):
         """Drops the logins past their deadline (the oldest come first)."""
@@ -568,40 +568,42 @@ class RendezvousServer:
         logins.remove(login)
         self._admit(login, frame, logins.refusals, now)
 
-    def _admit(self, login, answer, refusals, now):
+    def _admit(self, login, frame, refusals, now):
         """Checks a complete handshake; serves its connection on a thread if it logs in."""
-        head = len(_MAGIC) + _NONCE_BYTES + _MAC_BYTES
-        if not answer.startswith(_MAGIC) or not head < len(answer):
-            refusal = _Refused("it did not answer with a keras-ring handshake", "not a handshake")
-        else:
-            nonce_c = answer[len(_MAGIC):len(_MAGIC) + _NONCE_BYTES]
-            role = answer[head:]
-            expected = _mac(self._secret, b"keras-ring store client", login.nonce_s, nonce_c,
-                            role)
-            if hmac.compare_digest(answer[head - _MAC_BYTES:head], expected):
-                refusal = None
-            else:
-                refusal = _Refused("it does not hold the job's secret", "without the secret")
-        if refusal is None:
-            proof = _mac(self._secret, b"keras-ring store server", login.nonce_s, nonce_c, role)
+        try:
+            role, proof = self._check_handshake(login.nonce_s, frame)
             with self._lock:
                 if self._stopping:
                     login.sock.close()
                     return
                 if len(self._connections) >= self._max_connections:
-                    refusal = _Refused(f"it is one more than the {self._max_connections} "
-                                       "served at once", "over the bound on connections")
-                else:
-                    thread = threading.Thread(
-                        target=self._serve, daemon=True,
-                        args=(login.sock, _format_address(login.peer),
-                              role.decode("utf-8", "replace"), proof))
-                    self._connections[login.sock] = thread
-        if refusal is not None:
+                    raise _Refused(f"it is one more than the {self._max_connections} served at "
+                                   "once", "over the bound on connections")
+                thread = threading.Thread(target=self._serve, daemon=True, args=(
+                    login.sock, _format_address(login.peer), role, proof))
+                self._connections[login.sock] = thread
+        except _Refused as refusal:
             login.sock.close()
             refusals.refuse(login.peer, refusal, now)
             return
         thread.start()
+
+    def _check_handshake(self, nonce_s, frame):
+        """The client's role (text) and the server's proof, from its handshake frame.
+
+        Raises:
+            _Refused: If it is not a handshake, or its MAC is not of the job's secret.
+        """
+        head = len(_MAGIC) + _NONCE_BYTES + _MAC_BYTES
+        if not frame.startswith(_MAGIC) or not head < len(frame):
+            raise _Refused("it did not answer with a keras-ring handshake", "not a handshake")
+        nonce_c = frame[len(_MAGIC):len(_MAGIC) + _NONCE_BYTES]
+        role = frame[head:]
+        expected = _mac(self._secret, b"keras-ring store client", nonce_s, nonce_c, role)
+        if not hmac.compare_digest(frame[head - _MAC_BYTES:head], expected):
+            raise _Refused("it does not hold the job's secret", "without the secret")
+        proof = _mac(self._secret, b"keras-ring store server", nonce_s, nonce_c, role)
+        return role.decode("utf-8", "replace"), proof
 
     def _serve(self, conn, peer, role, proof):
         try:
