@@ -79,13 +79,6 @@ _FORWARDED_SIGNALS = {
     signal.SIGTERM: signal.SIGTERM,
     signal.SIGHUP: signal.SIGTERM,
 }
-# MPICH's forker exits 0 when ranks die of a signal, and reports them on stderr;
-# once one rank dies it stops the others with SIGQUIT.
-_FORKER_SIGNALED = re.compile(rb"\[\d+\](\d+):Return code = -?\d+, signaled with ([^\n]+)")
-_FORKER_CLEANUP_SIGNAL = signal.SIGQUIT
-_SIGNALS_BY_DESCRIPTION = {
-    signal.strsignal(s).encode(): s for s in signal.Signals if signal.strsignal(s)
-}
 # MPICH (5.0 here) names a job's shared-memory segments after an FNV-1a hash of
 # its PMI kvsname, which the forker makes from its own pid: "kvs_<pid>_0". A rank
 # killed before MPI_Finalize leaves them in /dev/shm, and once pids wrap a later
@@ -728,7 +721,7 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
     clear_names = (lambda: remove_forker_segments(os.getpid())) if forker else None
     outputs = _RankOutputs(np, prefix_output, quiet) if forker else None
     if outputs:
-        env = {**env, _rank_output.VARIABLE: outputs.variable}
+        env = {**env, **outputs.env}
     try:
         child = subprocess.Popen(
             argv, env=env, stderr=subprocess.PIPE if forker else None,
@@ -744,7 +737,12 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
         if watch:
             watch.start()
 
+        signalled = []
+
         def forward(signum, frame):
+            signalled.append(signum)
+            if outputs:
+                outputs.stop()
             # Ctrl-C reaches the whole foreground process group, the launcher too; a
             # second SIGINT would make Hydra abort at once instead of stopping the ranks.
             if signum != signal.SIGINT or not _in_terminal_foreground():
@@ -752,36 +750,114 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
 
         previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED_SIGNALS}
         try:
-            rank_signal = None
+            ends = []
             if forker:
-                rank_signal = _relay_forker_output(child.stderr, outputs)
+                ends = _relay_forker_output(child.stderr, outputs)
                 # Removed before the forker is reaped, while no other process can
                 # take its pid: what a killed rank left, never another job's.
                 os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
                 remove_forker_segments(child.pid)
             returncode = child.wait()
         finally:
+            if outputs:
+                outputs.stop()
             if watch:
                 watch.stop()
                 _set_child_subreaper(False)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+    # Stopped from outside, the job ended for that reason, not for a rank's.
+    first = None if signalled else _first_failure(ends)
     # A stopped rank the watch ended did not end the job: the line it printed says why it died.
-    if rank_signal is not None and watch and rank_signal[0] in watch.ended:
-        rank_signal = None
+    if first is not None and watch and first[0].rank in watch.ended:
+        first = None
         returncode = returncode or 128 + signal.SIGTERM
-    if rank_signal is not None:
-        rank, rank_signal = rank_signal
-        print(f"keras-ring-run: rank {rank} died of signal {rank_signal} "
-              f"({signal.strsignal(rank_signal)}); the launcher stopped the other ranks.",
-              file=sys.stderr, flush=True)
     if returncode < 0:
-        return 128 - returncode
-    # The rank killed by a signal ended the job, whatever the forker returns (0, or the exit code
-    # of a rank that failed on it first without MPI_Finalize).
-    if rank_signal is not None:
-        return 128 + rank_signal
-    return returncode
+        returncode = 128 - returncode
+    if first is None:
+        # The forker returns 0 when ranks die of a signal (one the user sent, say).
+        failed = sorted((end.ended, end.exit_code) for end in ends if end.status != 0)
+        return returncode or (failed[0][1] if failed else 0)
+    end, why = first
+    print(f"keras-ring-run: rank {end.rank} {why}", file=sys.stderr, flush=True)
+    # The failing rank's code, whatever the forker returns (0 when ranks die of a signal, and
+    # otherwise the highest code of all ranks).
+    return end.exit_code or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankEnd:
+    """How one rank of a forker job ended, as `_rank_output.py` reports it.
+
+    Attributes:
+        rank: The rank.
+        status: Its wait status.
+        ended: When it ended (`time.monotonic()`).
+        stopped: When the forker first sent it a signal, or None.
+    """
+
+    rank: int
+    status: int
+    ended: float
+    stopped: float | None
+
+    @classmethod
+    def parse(cls, line):
+        rank, status, ended, stopped = line.split()
+        return cls(int(rank), int(status), float(ended),
+                   None if stopped == b"-" else float(stopped))
+
+    @property
+    def exit_code(self):
+        """The code a shell gives it: 128 + N if signal N ended it."""
+        if os.WIFSIGNALED(self.status):
+            return 128 + os.WTERMSIG(self.status)
+        return os.waitstatus_to_exitcode(self.status)
+
+    def describe(self):
+        if os.WIFSIGNALED(self.status):
+            signum = os.WTERMSIG(self.status)
+            return f"died of signal {signum} ({signal.strsignal(signum)})"
+        return f"exited with code {self.exit_code}"
+
+
+def _first_failure(ends):
+    """The end of the rank that ended a forker job, and what to say of it; or None.
+
+    Once a rank ends without MPI_Finalize (a signal, `os._exit`, a crash), the
+    forker stops the others: the rank that ended last before the first of
+    them was signalled started it, whatever its status (exit code 0 too).
+    A rank that fails after MPI_Finalize (an exception, which shuts the engine
+    down at exit) stops no one: the others fail on their own, naming it, and
+    may end before it, so the order of the ends names no one.
+
+    Args:
+        ends: Every rank's `_RankEnd` (those of ranks never started are missing).
+    """
+    stops = [end.stopped for end in ends if end.stopped is not None]
+    before = [end for end in ends if stops and end.ended <= min(stops)]
+    if not before:
+        return None
+    end = max(before, key=lambda end: end.ended)
+    unfinalized = " without MPI_Finalize" if end.status == 0 else ""
+    return end, f"{end.describe()}{unfinalized}; the launcher stopped the other ranks."
+
+
+class _EndReports:
+    """The pipe `_rank_output.py` reports each rank's end on, read as `_RankStream`s are."""
+
+    def __init__(self, fd):
+        self.fd = fd
+        self.ends = []
+        self.partial = b""
+
+    def feed(self, chunk):
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        self.ends += [_RankEnd.parse(line) for line in lines]
+        return True
+
+    def flush(self):
+        return True
 
 
 class _StoppedRankWatch:
@@ -797,7 +873,7 @@ class _StoppedRankWatch:
     def __init__(self, launcher_pid):
         self._launcher_pid = launcher_pid
         self._done = threading.Event()
-        self.ended = set()  # the ranks (numbers, where known) it sent SIGTERM
+        self.ended = set()  # the stopped ranks (numbers, where known) it sent SIGTERM
         self._ranks = {}  # pid: rank, of the processes it has looked at
         self._thread = threading.Thread(target=self._run, name="stopped-rank-watch", daemon=True)
 
@@ -836,7 +912,7 @@ class _StoppedRankWatch:
                         pid not in ending and now - since < _STOPPED_RANK_SECONDS):
                     continue
                 rank = self._rank_of(pid)
-                if rank is not None:
+                if rank is not None and pid not in ending:
                     self.ended.add(rank)
                 who = f"pid {pid}" if rank is None else f"rank {rank} (pid {pid})"
                 why = ("outlived the rank process it ran under" if pid in ending
@@ -942,12 +1018,16 @@ class _RankOutputs:
     A rank writes to a copy of this process's stdout or stderr, unless
     `_relay_forker_output` has to change what it writes: then to a pipe of its
     own, copied by a `_RankStream`. With prefixes that is every rank's stdout
-    and stderr; quiet, the stderr of ranks other than 0.
+    and stderr; quiet, the stderr of ranks other than 0. Each rank's end is
+    reported on the pipe `ends` reads; `stop` says that the user stopped the job
+    (see `_rank_output.py`).
     """
 
     def __init__(self, np, prefix, quiet):
         self.streams = []
-        self.handed_down = []
+        self.ends, end_fd = os.pipe()
+        stop_fd, self._stop = os.pipe()
+        self.handed_down = [end_fd, stop_fd]
         copies = {}
         pairs = []
         for rank in range(np):
@@ -968,7 +1048,17 @@ class _RankOutputs:
                 pair.append(f"{fd}")
             pairs.append(",".join(pair))
         # One pair serves every rank when all ranks share it.
-        self.variable = " ".join(pairs if len(set(pairs)) > 1 else pairs[:1])
+        self.env = {
+            _rank_output.VARIABLE: " ".join(pairs if len(set(pairs)) > 1 else pairs[:1]),
+            _rank_output.END_VARIABLE: f"{end_fd}",
+            _rank_output.STOP_VARIABLE: f"{stop_fd}",
+        }
+
+    def stop(self):
+        """Tells the ranks that the user asked the job to stop: closes the pipe they watch."""
+        if self._stop is not None:
+            os.close(self._stop)
+            self._stop = None
 
     def close_handed_down(self):
         """Closes this process's copies of the ranks' ends, so that a rank's pipe ends with it."""
@@ -1042,14 +1132,12 @@ def _relay_forker_output(forker_stderr, outputs):
     rank's own child process).
 
     Returns:
-        (rank, signal) for the rank whose death by a signal ended the job
-        (not one the forker stopped afterwards), or None.
+        The `_RankEnd` of each rank that `_rank_output.py` started.
     """
-    rank_signal = None
-    forker_partial = b""
+    reports = _EndReports(outputs.ends)
     selector = selectors.DefaultSelector()
     selector.register(forker_stderr.fileno(), selectors.EVENT_READ, None)
-    for stream in outputs.streams:
+    for stream in [reports, *outputs.streams]:
         selector.register(stream.fd, selectors.EVENT_READ, stream)
 
     def end(stream):
@@ -1078,10 +1166,6 @@ def _relay_forker_output(forker_stderr, outputs):
                     continue
                 sys.stderr.buffer.write(chunk)
                 sys.stderr.buffer.flush()
-                *lines, forker_partial = (forker_partial + chunk).split(b"\n")
-                forker_partial = forker_partial[-4096:]
-                for line in lines:
-                    rank_signal = _rank_signal(line, rank_signal)
             elif not chunk:
                 stream.flush()
                 end(stream)
@@ -1092,20 +1176,7 @@ def _relay_forker_output(forker_stderr, outputs):
             key.data.flush()
             end(key.data)
     selector.close()
-    return rank_signal
-
-
-def _rank_signal(line, rank_signal):
-    """The (rank, signal) that ended the job, after one line of the forker's stderr."""
-    match = _FORKER_SIGNALED.search(line)
-    if not match:
-        return rank_signal
-    # The forker describes signals with strsignal(), as Python does; a
-    # description we do not know still has to fail the job.
-    signum = _SIGNALS_BY_DESCRIPTION.get(match[2].strip(), signal.SIGKILL)
-    if rank_signal is None or rank_signal[1] == _FORKER_CLEANUP_SIGNAL:
-        return (int(match[1]), signum)
-    return rank_signal
+    return reports.ends
 
 
 def forker_segment_paths(pid):

@@ -13,6 +13,8 @@ import pytest
 
 from keras_ring import _launcher, _mpi_env
 
+WORKERS = os.path.join(os.path.dirname(__file__), "workers")
+
 COMMAND = ["python", "train.py"]
 HYDRA = _launcher.Launcher("/mpi/bin/mpiexec", "MPICH")
 MPICH_WITH_FORKER = _launcher.Launcher("/mpi/bin/mpiexec", "MPICH", "/mpi/bin/mpiexec.gforker")
@@ -429,19 +431,39 @@ def test_job_runs_with_its_environment_and_exit_code(monkeypatch, tmp_path, capf
     assert f"{mpiexec} -hosts localhost -iface lo -np 2 python train.py" in err
 
 
-def test_rank_killed_by_a_signal_fails_a_forker_job(monkeypatch, tmp_path, capfd):
-    bin_dir = tmp_path / "bin"
-    mpiexec = write_fake_launcher(bin_dir / "mpiexec", VERSION_TEXT["MPICH"])
-    # The forker stops the other ranks with SIGQUIT, and may report them first.
-    report = ("[0]0:Return code = 0, signaled with Quit\n"
-              "[0]1:Return code = 0, signaled with Killed\n")
-    write_fake_launcher(bin_dir / "mpiexec.gforker", "", stderr_text=report, exit_code=0)
-    write_build_info(monkeypatch, tmp_path, mpi_source="system", mpiexec=str(mpiexec))
-    code, err = run_main(capfd, "-np", "2", *COMMAND)
-    assert code == 128 + signal.SIGKILL
-    assert report in err
-    assert ("keras-ring-run: rank 1 died of signal 9 (Killed); the launcher stopped the other "
-            "ranks.") in err
+def _end(rank, ended, status=0, stopped=None):
+    return _launcher._RankEnd(rank, status, ended, stopped)
+
+
+KILLED = signal.SIGKILL  # a wait status: killed by SIGKILL
+QUIT = signal.SIGQUIT
+EXIT_1 = 1 << 8
+
+
+@pytest.mark.parametrize("ends, named, code", [
+    # Killed: the forker stops the others (SIGINT, then SIGQUIT).
+    ([_end(0, 5.0, QUIT, stopped=3.0), _end(1, 2.9, KILLED)],
+     "rank 1 died of signal 9 (Killed); the launcher stopped the other ranks.", 137),
+    # os._exit(0), or a shell that ran on after its python was killed: a clean exit mid-job.
+    ([_end(0, 4.0, EXIT_1, stopped=3.0), _end(1, 2.9)],
+     "rank 1 exited with code 0 without MPI_Finalize; the launcher stopped the other ranks.", 1),
+    # A rank that finished earlier, with MPI_Finalize, is not the one.
+    ([_end(0, 1.0), _end(1, 6.0, QUIT, stopped=5.1), _end(2, 5.0, 137 << 8)],
+     "rank 2 exited with code 137; the launcher stopped the other ranks.", 137),
+    # An exception: the rank finalizes and the others fail on their own, maybe first.
+    ([_end(0, 3.0, EXIT_1), _end(1, 3.5, EXIT_1)], None, 0),
+    ([_end(0, 3.0), _end(1, 3.1)], None, 0),
+    # The forker stopped every rank: the user asked it to.
+    ([_end(0, 3.0, QUIT, stopped=2.0), _end(1, 3.1, QUIT, stopped=2.0)], None, 0),
+])
+def test_the_rank_that_ended_a_forker_job_is_found(ends, named, code):
+    first = _launcher._first_failure(ends)
+    if named is None:
+        assert first is None
+    else:
+        end, why = first
+        assert f"rank {end.rank} {why}" == named
+        assert (end.exit_code or 1) == code
 
 
 def test_forker_job_removes_its_segments_and_no_others(monkeypatch, tmp_path, capfd):
@@ -739,12 +761,14 @@ def test_ranks_use_the_mpich_segment_named_after_the_forker(run_ranks, tmp_path)
         pytest.skip("one-host jobs of a system MPICH without mpiexec.gforker run under Hydra")
     script = tmp_path / "segments.py"
     script.write_text(
-        "import os\n"
+        "import sys\n"
         "import keras_ring as kr\n"
         "kr.init()\n"
         "with open('/proc/self/maps') as f:\n"
         "    names = {line.split()[5] for line in f if '/mpich_shm_' in line}\n"
-        "print(f'forker {os.getppid()} segments {sorted(names)}', flush=True)\n"
+        f"sys.path.insert(0, {str(WORKERS)!r})\n"
+        "from forker_pid import forker_pid\n"
+        "print(f'forker {forker_pid()} segments {sorted(names)}', flush=True)\n"
     )
     result = run_ranks(2, script, timeout=120)
     found = re.findall(r"forker (\d+) segments \[\'(\S+)\'\]", result.stdout)

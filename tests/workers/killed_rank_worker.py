@@ -10,12 +10,13 @@ import signal
 import time
 
 import numpy as np
+from forker_pid import forker_pid
 
 import keras_ring as kr
 from keras_ring import _engine
 
 kr.init()
-print(f"rank {kr.rank()} pid {os.getpid()} forker {os.getppid()}", flush=True)
+print(f"rank {kr.rank()} pid {os.getpid()} forker {forker_pid()}", flush=True)
 if kr.rank() == 1:
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)

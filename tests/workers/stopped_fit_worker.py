@@ -21,13 +21,14 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
 import keras  # noqa: E402
+from forker_pid import forker_pid  # noqa: E402
 
 import keras_ring as kr  # noqa: E402
 
 stop_batch = int(sys.argv[1])
 kr.init()
 rank = kr.rank()
-print(f"rank {rank} pid {os.getpid()} forker {os.getppid()}", flush=True)
+print(f"rank {rank} pid {os.getpid()} forker {forker_pid()}", flush=True)
 
 
 class StopAt(keras.callbacks.Callback):

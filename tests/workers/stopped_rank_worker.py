@@ -20,6 +20,7 @@ import threading
 import time
 
 import numpy as np
+from forker_pid import forker_pid
 
 import keras_ring as kr
 from keras_ring import _engine
@@ -27,12 +28,7 @@ from keras_ring import _engine
 stopped, size_name, signal_name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 kr.init()
 rank = kr.rank()
-forker = os.getppid()
-with open(f"/proc/{forker}/comm") as f:
-    if f.read().strip() == "sh":  # started through `sh -c`: the forker is its parent
-        with open(f"/proc/{forker}/stat") as stat:
-            forker = int(stat.read().rsplit(")", 1)[1].split()[1])
-print(f"rank {rank} pid {os.getpid()} forker {forker}", flush=True)
+print(f"rank {rank} pid {os.getpid()} forker {forker_pid()}", flush=True)
 
 
 def stop():
