@@ -2,8 +2,11 @@
 
 import os
 import re
+import shlex
+import sys
 
 import pytest
+from conftest import run_job
 
 from keras_ring._launcher import forker_segment_paths
 
@@ -113,6 +116,12 @@ def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, n
     assert result.returncode == 128 + 9, result.stdout
     assert "rank 1 died of signal 9 (Killed)" in result.stdout
     assert "without rank 1" not in result.stdout
+    # Every other rank fails with its own error, naming rank 1, before the launcher stops it:
+    # waiting for rank 1's submission (CheckLocalPeers) or in a shared-memory collective, or
+    # told by rank 0, whose engine saw it first.
+    own = re.findall(r"^keras_ring\._errors\.WorkerLostError: keras-ring: .*rank 1 \(pid \d+\) "
+                     r"died", result.stdout, re.MULTILINE)
+    assert len(own) == np_ - 1, result.stdout
     ranks = re.findall(r"rank \d+ pid (\d+) forker (\d+)", result.stdout)
     assert len(ranks) == np_, result.stdout
     # Ours are named kr-<pid of the host's first rank>x...; MPICH's after its forker.
@@ -128,6 +137,38 @@ def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, n
         if os.path.exists(path)
     ]
     assert not left, left
+
+
+ENDING_WORKER = os.path.join(os.path.dirname(__file__), "workers", "ending_rank_worker.py")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("how, shell, named, code, theirs", [
+    ("exit", "", "exited with code 0 without MPI_Finalize; the launcher stopped the other ranks",
+     1, r"rank 1 \(pid \d+\) died"),
+    # sh waits for its python, which the forker does not know of.
+    ("kill", "{}", "exited with code 137; the launcher stopped the other ranks", 137,
+     r"rank 1 \(pid \d+\) died"),
+    ("kill", "{}; echo after", "exited with code 0 without MPI_Finalize; the launcher stopped "
+     "the other ranks", 1, r"rank 1 \(pid \d+\) died"),
+    # An exception: rank 1 shuts down (at exit), then the others fail, naming it; they may end
+    # first, so the launcher names no one.
+    ("raise", "", None, 1, r"rank 1 shut down"),
+], ids=["os._exit(0)", "killed-behind-sh", "killed-behind-sh-that-runs-on", "exception"])
+def test_the_rank_that_ends_a_job_is_named_with_its_exit_code(how, shell, named, code, theirs):
+    python = shlex.join([sys.executable, ENDING_WORKER, how])
+    rank = ["sh", "-c", shell.format(python)] if shell else shlex.split(python)
+    command = [os.path.join(os.path.dirname(sys.executable), "keras-ring-run"),
+               "-np", str(FAULT_RANKS), *rank]
+    result = run_job(command, f"{FAULT_RANKS}-rank job {how}", timeout=120, check=False)
+    assert result.returncode == code, result.stdout
+    if named:
+        assert f"keras-ring-run: rank 1 {named}." in result.stdout, result.stdout
+    else:
+        assert "keras-ring-run: rank" not in result.stdout, result.stdout
+    own = re.findall(rf"^keras_ring\._errors\.WorkerLostError: keras-ring: .*{theirs}",
+                     result.stdout, re.MULTILINE)
+    assert len(own) == FAULT_RANKS - 1, result.stdout
 
 
 @pytest.mark.multirank

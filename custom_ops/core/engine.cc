@@ -52,6 +52,10 @@ constexpr auto kStallTick = std::chrono::seconds(1);
 // waits for an answer: an idle rank takes its question in once a stall tick.
 constexpr auto kOverdueTick = std::chrono::milliseconds(100);
 constexpr auto kOverdueAnswerWait = kStallTick + kAnswerWait + std::chrono::seconds(1);
+// How often a rank looks whether the processes of its shared-memory peers
+// still exist (CheckLocalPeers): a peer that died while this rank waits for
+// its next submission, or for its shutdown, is named within this.
+constexpr auto kPeerCheckTick = std::chrono::seconds(1);
 // How often an idle coordinator looks for ready lists of sets it is not in:
 // the first collective such a set runs while rank 0 idles waits up to this
 // long (later ones find rank 0 polling); measured idle cost about 0.5% of a core.
@@ -598,6 +602,11 @@ bool Engine::Step(bool* progress) {
     // Every rank sends the coordinator exactly one shutdown message (its own
     // request, or this acknowledgement) and the coordinator waits for all of
     // them, so no control message is left behind on the communicator.
+    // This rank's process may end from now on: its shared-memory peers
+    // (CheckLocalPeers) need not know it before they leave too.
+    for (auto& entry : sets_) {
+      if (entry.second.shm) entry.second.shm->Stop();
+    }
     if (!shutdown_sent_) {
       ReadyList last;
       last.shutdown = true;
@@ -653,6 +662,7 @@ int Engine::Pass(bool* progress) {
     }
   }
   if (!coordinating_) CheckCoordinator(got);
+  CheckLocalPeers();
   if (*progress) observers_.Cycle(fresh.size(), got ? list.responses.size() : 0);
   const bool in_flight = InFlight() || shutdown_sent_ || CoordinatorBusy();
   std::lock_guard<std::mutex> lock(mu_);
@@ -784,7 +794,17 @@ void Engine::AwaitShutdowns() {
                           " s (KERAS_RING_TIMEOUT) for ranks " + RankList(missing) +
                         " to shut down; they are stuck or stopped");
     }
+    CheckLocalPeers();
     if (!ReceiveReadyLists()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+void Engine::CheckLocalPeers() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now - peers_checked_ < kPeerCheckTick) return;
+  peers_checked_ = now;
+  for (const auto& entry : sets_) {
+    if (entry.second.shm) entry.second.shm->CheckPeers();
   }
 }
 

@@ -120,6 +120,9 @@ class Engine {
   // not answer within kAnswerWait (stopped, or hung with its engine); one
   // that answers is left to the stall rules and asked again a timeout later.
   void CheckOverdueRanks(std::chrono::steady_clock::time_point now);
+  // Every rank, once a kPeerCheckTick: fails, naming it, if a shared-memory
+  // peer's process has ended without shutting down (ShmGroup::CheckPeers).
+  void CheckLocalPeers();
   // Rank 0 has coordinating to do that its own requests do not show.
   bool CoordinatorBusy() const;
   bool OutsideASet() const;  // rank 0 coordinates a set it is not in
@@ -188,6 +191,7 @@ class Engine {
   // when; when those that answered are asked again.
   std::map<int, std::chrono::steady_clock::time_point> asked_, next_ask_;
   std::chrono::steady_clock::time_point overdue_checked_;
+  std::chrono::steady_clock::time_point peers_checked_;  // CheckLocalPeers
   std::vector<Response> decided_;                  // rank 0: agreed, not yet sent
   std::chrono::steady_clock::time_point decided_since_;  // when decided_ became non-empty
   // The settings the autotuner may change; written under mu_ (read by

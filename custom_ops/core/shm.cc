@@ -183,6 +183,17 @@ ShmGroup::~ShmGroup() {
 
 void ShmGroup::Stop() { peers_[rank_].header->stopped.store(1, std::memory_order_release); }
 
+void ShmGroup::CheckPeers() const {
+  if (!check_pids_) return;
+  for (int q = 0; q < size(); ++q) {
+    const Header* h = peers_[q].header;
+    if (q == rank_ || h->stopped.load(std::memory_order_acquire) || Alive(h->pid)) continue;
+    throw PeerLostError("keras-ring: rank " + std::to_string(world_ranks_[q]) + " (pid " +
+                        std::to_string(h->pid) +
+                        ") died: its process ended without shutting keras-ring down");
+  }
+}
+
 char* ShmGroup::Slot(int peer, uint64_t round) const {
   return peers_[peer].slots + (round % 2) * slot_bytes_;
 }

@@ -99,6 +99,11 @@ class ShmGroup {
   // Makes the peers' waits on this rank fail (this rank will not come back).
   void Stop();
 
+  // Throws PeerLostError naming a peer whose process has ended without Stop()
+  // (killed, crashed, or gone without shutting keras-ring down). Checks
+  // nothing where this rank cannot see its peers' pids.
+  void CheckPeers() const;
+
  private:
   struct Header;
   struct Peer {

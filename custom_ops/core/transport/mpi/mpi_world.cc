@@ -327,11 +327,14 @@ class MpiWorld : public World {
 
 void MpiPending::Wait() {
   MPI_Status status;
-  const char* what = is_recv_ ? "MPI_Test (receive)" : "MPI_Test (send)";
+  // MPI fails a transfer from a rank that died in its middle: the message names that rank.
+  const std::string what = std::string(is_recv_ ? "MPI_Test (receive from rank " :
+                                                  "MPI_Test (send to rank ") +
+                           std::to_string(peer_) + ")";
   const PeerWait found = WaitOnPeer(
       world_->timeout(),
       [&](Clock::time_point deadline) {
-        return WaitUntil(&request_, &status, deadline, world_->drain(), what);
+        return WaitUntil(&request_, &status, deadline, world_->drain(), what.c_str());
       },
       [&] { world_->Ask(peer_); }, [&] { return world_->Answered(peer_); });
   if (found != PeerWait::kDone) {
