@@ -1072,7 +1072,10 @@ def _broadcast_grad(op, grad):
     reduced = allreduce(tf.convert_to_tensor(grad), op=Sum, process_set=process_set)
     if describe(process_set)[2] == op.get_attr("root_rank"):
         return reduced
-    return tf.zeros_like(reduced)
+    # Zeros that wait for the allreduce: in a graph a bare zeros_like is a constant, and a
+    # session would never run this rank's part of the collective.
+    with tf.control_dependencies([reduced]):
+        return tf.zeros_like(reduced)
 
 
 def _scale(tensor, factor):

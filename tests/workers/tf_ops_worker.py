@@ -767,6 +767,19 @@ def check_horovod_names():
         session.run(kr.broadcast_variables([b], root_rank=SIZE - 1, name="graph.variables"))
         check("broadcast_variables in a graph", session.run(b),
               np.full(3, SIZE - 1, np.float32), tf.float32)
+        # The broadcast's gradient: on the other ranks zeros that still run the allreduce, or
+        # the root waits for them (TensorFlow folds a zeros_like of known shape to a constant).
+        x = tf.constant(np.full(3, RANK + 1, np.float32))
+        ws = [np.arange(3, dtype=np.float32) * (r + 1) for r in range(SIZE)]
+        cases = [("broadcast gradient in a graph", SIZE - 1, kr.global_process_set, range(SIZE))]
+        if pair.included():
+            cases.append(("broadcast gradient in a graph, in a set", SIZE - 2, pair, pair.ranks))
+        for what, root, process_set, members in cases:
+            y = kr.broadcast(x, root_rank=root, name=what.replace(" ", "_").replace(",", ""),
+                             process_set=process_set)
+            (grad,) = tf.gradients(tf.reduce_sum(y * ws[RANK]), [x])
+            expected = sum(ws[r] for r in members) if RANK == root else np.zeros(3, np.float32)
+            check(what, session.run(grad), expected, tf.float32)
     if pair.included():
         w = tf.Variable(np.full(2, RANK, np.float32))
         kr.broadcast_variables([w], root_rank=SIZE - 1, process_set=pair, inplace=True)
