@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 
-from keras_ring import _elastic_world, _launcher, _mpi_env
+from keras_ring import _elastic_world, _environment, _launcher, _mpi_env
 
 _lock = threading.Lock()
 _topology = None
@@ -169,6 +169,11 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
         _topology = topology
         if topology["size"] > 1:
             _line_buffer_output()
+        misspelled = _environment.unknown_variables_message(os.environ)
+        if misspelled and topology["rank"] == 0:
+            from keras_ring import _log
+
+            _log.warning(misspelled, once=True)
     from keras_ring import timeline
 
     timeline._start_from_environment()

@@ -2,12 +2,14 @@
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 import keras_ring as kr
+from keras_ring import _environment
 
 QUERIES = ["size", "rank", "local_rank", "local_size", "cross_rank", "cross_size",
            "is_homogeneous", "mpi_threads_supported", "mpi_enabled"]
@@ -90,6 +92,36 @@ def test_a_bad_setting_in_the_environment_is_named():
     )
     assert result.returncode != 0
     assert "KERAS_RING_CYCLE_TIME must be a number of milliseconds" in result.stderr
+
+
+def test_a_misspelled_variable_is_warned_of_naming_the_closest_setting():
+    result = subprocess.run(
+        [sys.executable, "-c", "import keras_ring as kr; kr.init(); kr.init(); print('ran')"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "KERAS_RING_FUSION_TRESHOLD": "0", "KERAS_RING_NONSENSE": "1"},
+    )
+    assert result.returncode == 0 and result.stdout == "ran\n", result.stderr
+    (warning,) = [line for line in result.stderr.splitlines() if "does not read" in line]
+    assert warning.endswith(
+        "keras-ring warning: keras-ring does not read KERAS_RING_FUSION_TRESHOLD (did you mean "
+        "KERAS_RING_FUSION_THRESHOLD?), KERAS_RING_NONSENSE: they have no effect. The settings "
+        "are listed in docs/settings.md."), warning
+
+
+def test_every_variable_keras_ring_reads_is_known_and_every_setting_documented():
+    root = pathlib.Path(__file__).parent.parent
+    sources = [*(root / "keras_ring").rglob("*.py"), *(root / "custom_ops").rglob("*.cc"),
+               *(root / "custom_ops").rglob("*.h"), root / "CMakeLists.txt",
+               *(root / "cmake").rglob("*")]
+    read = set()
+    for path in sources:
+        if path.is_file() and path.name != "_environment.py":
+            read |= set(re.findall(r"\bKERAS_RING_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    read -= {"KERAS_RING_C_API_H"}  # the C header's include guard
+    assert read == _environment.KNOWN, (sorted(read - _environment.KNOWN),
+                                        sorted(_environment.KNOWN - read))
+    docs = "".join(path.read_text() for path in (root / "docs").glob("*.md"))
+    assert not [name for name in _environment.USER_SETTINGS if f"`{name}" not in docs]
 
 
 def test_init_rejects_unsupported_arguments():
