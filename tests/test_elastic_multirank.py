@@ -5,8 +5,8 @@ import pathlib
 import pytest
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "elastic_state_worker.py"
-SCENARIOS = ["sync", "object_state", "different_models", "host_update", "run_reset",
-             "resumed_epoch"]
+SCENARIOS = ["sync", "object_state", "tensorflow_state", "different_models", "host_update",
+             "run_reset", "resumed_epoch"]
 
 
 @pytest.mark.multirank

@@ -224,6 +224,37 @@ def test_keras_state_checks_its_arguments():
         kr.elastic.KerasState(lazy)
 
 
+# TensorFlowState
+
+
+def test_tensorflow_state_commits_restores_and_syncs_its_variables():
+    w = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+    count = tf.Variable(3, dtype=tf.int64)
+    state = kr.elastic.TensorFlowState([w, count], step=0)
+    w.assign_add(tf.ones_like(w))
+    state.step = 1
+    state.commit()
+    w.assign(tf.zeros_like(w))
+    count.assign(9)
+    state.step = 2
+    state.restore()
+    np.testing.assert_array_equal(w.numpy(), np.arange(6).reshape(2, 3) + 1)
+    assert (int(count.numpy()), state.step) == (3, 1)
+    state.sync()  # a job of one rank: its own values, saved
+    w.assign(tf.zeros_like(w))
+    state.restore()
+    np.testing.assert_array_equal(w.numpy(), np.arange(6).reshape(2, 3) + 1)
+
+
+def test_tensorflow_state_checks_its_arguments():
+    with pytest.raises(TypeError, match="Received: variables=None"):
+        kr.elastic.TensorFlowState()
+    with pytest.raises(TypeError, match="Received: 3 among the variables"):
+        kr.elastic.TensorFlowState([tf.Variable(1.0), 3])
+    with pytest.raises(ValueError, match="sessions are not supported"):
+        kr.elastic.TensorFlowState([tf.Variable(1.0)], session=object())
+
+
 # run()
 
 

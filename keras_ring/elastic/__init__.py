@@ -38,6 +38,7 @@ from keras_ring.elastic._keras_state import KerasState, TensorFlowKerasState
 from keras_ring.elastic._object_state import ObjectState
 from keras_ring.elastic._run import run
 from keras_ring.elastic._state import State
+from keras_ring.elastic._tensorflow_state import TensorFlowState
 from keras_ring.elastic._update_batch_state_callback import UpdateBatchStateCallback
 from keras_ring.elastic._update_epoch_state_callback import UpdateEpochStateCallback
 
@@ -51,6 +52,7 @@ __all__ = [
     "ObjectState",
     "State",
     "TensorFlowKerasState",
+    "TensorFlowState",
     "UpdateBatchStateCallback",
     "UpdateEpochStateCallback",
     "WorkerLostError",

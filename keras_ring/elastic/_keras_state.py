@@ -1,15 +1,11 @@
 """KerasState: a Keras model's and optimizer's variables, kept across an elastic job's resets."""
 
-import zlib
-
 import keras
-import numpy as np
 
-from keras_ring import _basics, _objects
-from keras_ring.elastic._object_state import ObjectState
+from keras_ring.elastic._variables_state import VariablesState
 
 
-class KerasState(ObjectState):
+class KerasState(VariablesState):
     """A Keras model's weights and its optimizer's variables, plus attributes such as the epoch.
 
     `save()` (and `commit()`) copies every model weight (trainable and not,
@@ -47,6 +43,8 @@ class KerasState(ObjectState):
     ```
     """
 
+    _DIFFER = ("models or optimizers", "Build the same model and optimizer")
+
     def __init__(self, model, optimizer=None, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
@@ -71,71 +69,6 @@ class KerasState(ObjectState):
         self.model = model
         self.optimizer = optimizer
         super().__init__(**kwargs)
-        self._saved_variables = self._read_variables()
-
-    def save(self):
-        """Copies the variables into host memory, and saves the attributes.
-
-        Example:
-
-        ```python
-        state.save()  # commit() without the check for host updates
-        ```
-        """
-        self._saved_variables = self._read_variables()
-        super().save()
-
-    def restore(self):
-        """Assigns the variables and attributes their values of the last save or commit.
-
-        Example:
-
-        ```python
-        state.restore()  # the weights of the last commit
-        ```
-        """
-        for variable, value in zip(self._variables(), self._saved_variables):
-            variable.assign(value)
-        super().restore()
-
-    def sync(self):
-        """Gives every rank rank 0's variables and saved attributes, then saves. Collective.
-
-        Rank 0's variables as they are, which in `keras_ring.elastic.run` is
-        its last commit: run syncs after a restore, after the commit that
-        raised `HostsUpdatedInterrupt`, or before training starts.
-
-        Raises:
-            ValueError: On every rank, if the ranks' models or optimizers
-                differ (their variables' count, shapes or dtypes).
-
-        Example:
-
-        ```python
-        state.sync()  # a newcomer now has rank 0's weights
-        ```
-        """
-        variables = self._variables()
-        values = self._read_variables()
-        self._check_same_variables(values)
-        # One broadcast per dtype, of every variable of that dtype end to end.
-        by_dtype = {}
-        for i, value in enumerate(values):
-            by_dtype.setdefault(value.dtype.name, []).append(i)
-        engine = _basics._engine()
-        received = engine.run(
-            engine.BROADCAST,
-            [np.concatenate([values[i].ravel() for i in indices]) for indices in by_dtype.values()],
-            [f"keras_ring.elastic.sync.{dtype}" for dtype in by_dtype],
-            root_rank=0,
-        )
-        for indices, buffer in zip(by_dtype.values(), received):
-            offset = 0
-            for i in indices:
-                variables[i].assign(buffer[offset:offset + values[i].size].reshape(values[i].shape))
-                offset += values[i].size
-        super().sync()
-        self._saved_variables = self._read_variables()
 
     def on_reset(self):
         """Has the model trace its steps again for the new world, then calls the reset callbacks.
@@ -163,25 +96,6 @@ class KerasState(ObjectState):
         if not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)
         return list(self.model.weights) + list(self.optimizer.variables)
-
-    def _read_variables(self):
-        # convert_to_numpy copies: the saved arrays do not follow the variables.
-        return [keras.ops.convert_to_numpy(v) for v in self._variables()]
-
-    def _check_same_variables(self, values):
-        """Raises on every rank unless every rank has variables of the same shapes and dtypes."""
-        layout = "\n".join(f"{value.shape} {value.dtype.name}" for value in values)
-        mine = np.array([[len(values), zlib.crc32(layout.encode())]], np.int64)
-        every = _objects._run("ALLGATHER", mine, "keras_ring.elastic.sync.layout")
-        if (every == every[0]).all():
-            return
-        counts = ", ".join(f"rank {r}: {int(n)}" for r, n in enumerate(every[:, 0]))
-        raise ValueError(
-            "keras-ring: KerasState.sync: the ranks' models or optimizers differ, so rank 0's "
-            f"state cannot be given to every rank (variables per rank: {counts}; their shapes "
-            "or dtypes differ where the counts agree). Build the same model and optimizer on "
-            "every rank, a newcomer included, before calling the function kr.elastic.run wraps."
-        )
 
 
 TensorFlowKerasState = KerasState

@@ -99,6 +99,29 @@ def scenario_object_state():
     check(all(g == (0, {"loss": [0.0]}) for g in got), f"ObjectState after sync: {got}")
 
 
+def scenario_tensorflow_state():
+    """TensorFlowState.sync gives every rank rank 0's committed variables, of each dtype, and
+    attributes; ranks whose variables differ get an error on every rank."""
+    w = tf.Variable(np.full((2, 3), RANK, np.float32))
+    steps = tf.Variable(10 * RANK, dtype=tf.int64)
+    state = kr.elastic.TensorFlowState([w, steps], step=RANK)
+    w.assign_add(tf.ones_like(w))  # not committed: sync takes rank 0's variables as they are
+    state.sync()
+    got = every_rank((w.numpy().tolist(), int(steps.numpy()), state.step))
+    check(all(g == ([[1.0] * 3] * 2, 0, 0) for g in got), f"TensorFlowState after sync: {got}")
+    w.assign(tf.zeros_like(w) - 5)
+    state.restore()  # to what sync saved
+    check(w.numpy().tolist() == [[1.0] * 3] * 2, f"restore after sync: {w.numpy()}")
+    extra = [tf.Variable(0.0)] if RANK == 1 else []
+    try:
+        kr.elastic.TensorFlowState([w, *extra]).sync()
+    except ValueError as e:
+        check("TensorFlowState.sync: the ranks' variables differ" in str(e)
+              and "rank 1: 2" in str(e), str(e))
+    else:
+        check(False, "sync of different variables did not raise")
+
+
 def scenario_different_models():
     """Ranks whose models differ get an error on every rank, not a hang."""
     model = model_and_optimizer(seed=0)
@@ -213,6 +236,7 @@ def scenario_resumed_epoch():
 SCENARIOS = {
     "sync": scenario_sync,
     "object_state": scenario_object_state,
+    "tensorflow_state": scenario_tensorflow_state,
     "different_models": scenario_different_models,
     "host_update": scenario_host_update,
     "run_reset": scenario_run_reset,
