@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 
-from keras_ring import _elastic_world, _environment, _launcher, _mpi_env
+from keras_ring import _elastic_world, _end_report, _environment, _launcher, _mpi_env
 
 _lock = threading.Lock()
 _topology = None
@@ -154,8 +154,10 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
         if _elastic_world.is_elastic():
             # The driver gives each world's rank and size (it may remove this worker instead).
             settings.update(_elastic_world.request_world())
+        _end_report.before_engine_start()
         engine.init(settings)
         topology = engine.topology()
+        _end_report.after_engine_start(topology["rank"])
         expected = _mpi_env.expected_world_size()
         if expected is not None and expected != topology["size"]:
             engine.shutdown()
@@ -202,6 +204,7 @@ def shutdown():
     with _lock:
         if "keras_ring._engine" in sys.modules:
             _engine().shutdown()
+            _end_report.shut_down()
         _topology = None
         if "keras_ring._process_sets" in sys.modules:
             sys.modules["keras_ring._process_sets"]._forget_all()

@@ -750,9 +750,9 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
 
         previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED_SIGNALS}
         try:
-            ends = []
+            reports = _EndReports(None)
             if forker:
-                ends = _relay_forker_output(child.stderr, outputs)
+                reports = _relay_forker_output(child.stderr, outputs)
                 # Removed before the forker is reaped, while no other process can
                 # take its pid: what a killed rank left, never another job's.
                 os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
@@ -767,9 +767,12 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
     # Stopped from outside, the job ended for that reason, not for a rank's.
-    first = None if signalled else _first_failure(ends)
+    ends = reports.ends
+    codes = {end.rank: end.exit_code for end in ends}
+    first = None if signalled else (_first_failure(ends)
+                                    or first_to_fail(reports.endings, codes))
     # A stopped rank the watch ended did not end the job: the line it printed says why it died.
-    if first is not None and watch and first[0].rank in watch.ended:
+    if first is not None and watch and first[0] in watch.ended:
         first = None
         returncode = returncode or 128 + signal.SIGTERM
     if returncode < 0:
@@ -778,11 +781,11 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
         # The forker returns 0 when ranks die of a signal (one the user sent, say).
         failed = sorted((end.ended, end.exit_code) for end in ends if end.status != 0)
         return returncode or (failed[0][1] if failed else 0)
-    end, why = first
-    print(f"keras-ring-run: rank {end.rank} {why}", file=sys.stderr, flush=True)
+    rank, code, why = first
+    print(f"keras-ring-run: rank {rank} {why}", file=sys.stderr, flush=True)
     # The failing rank's code, whatever the forker returns (0 when ranks die of a signal, and
     # otherwise the highest code of all ranks).
-    return end.exit_code or 1
+    return code or 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -822,14 +825,13 @@ class _RankEnd:
 
 
 def _first_failure(ends):
-    """The end of the rank that ended a forker job, and what to say of it; or None.
+    """The rank that ended a forker job abruptly, its code and what to say of it; or None.
 
     Once a rank ends without MPI_Finalize (a signal, `os._exit`, a crash), the
     forker stops the others: the rank that ended last before the first of
     them was signalled started it, whatever its status (exit code 0 too).
     A rank that fails after MPI_Finalize (an exception, which shuts the engine
-    down at exit) stops no one: the others fail on their own, naming it, and
-    may end before it, so the order of the ends names no one.
+    down at exit) stops no one: `first_to_fail` finds it.
 
     Args:
         ends: Every rank's `_RankEnd` (those of ranks never started are missing).
@@ -840,20 +842,73 @@ def _first_failure(ends):
         return None
     end = max(before, key=lambda end: end.ended)
     unfinalized = " without MPI_Finalize" if end.status == 0 else ""
-    return end, f"{end.describe()}{unfinalized}; the launcher stopped the other ranks."
+    return (end.rank, end.exit_code,
+            f"{end.describe()}{unfinalized}; the launcher stopped the other ranks.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankEnding:
+    """What a rank reported as its exit began (`_end_report.py`): when, and the exception.
+
+    Attributes:
+        rank: The rank.
+        when: Its `time.time()` then.
+        error: The exception's type and first line ("ValueError: bad"), or "".
+    """
+
+    rank: int
+    when: float
+    error: str
+
+    @classmethod
+    def parse(cls, rank, value):
+        when, _, error = value.partition(" ")
+        return cls(rank, float(when), error)
+
+
+def first_to_fail(endings, codes):
+    """The rank whose exit started a failed job's end, its code and what to say of it; or None.
+
+    A rank that raises shuts its engine down at exit, and only then do the
+    others fail, naming it, and exit: of the ranks that raised or exited with
+    a code other than 0 (a shell around a rank may hide its code), the one
+    whose exit began first (as each reported) failed first.
+
+    Args:
+        endings: The `RankEnding`s reported.
+        codes: The exit code of each rank that ended, by rank.
+    """
+    failing = [ending for ending in endings if codes.get(ending.rank, 0) != 0 or ending.error]
+    if not failing:
+        return None
+    first = min(failing, key=lambda ending: ending.when)
+    code = codes[first.rank]
+    raised = f"raised {first.error} and " if first.error else ""
+    return first.rank, code, f"{raised}exited with code {code}, the first rank to fail."
 
 
 class _EndReports:
-    """The pipe `_rank_output.py` reports each rank's end on, read as `_RankStream`s are."""
+    """The pipe `_rank_output.py` and the ranks report their ends on, read as `_RankStream`s are.
+
+    Attributes:
+        ends: Each rank's `_RankEnd`, as its start script reported it.
+        endings: The `RankEnding`s the ranks reported.
+    """
 
     def __init__(self, fd):
         self.fd = fd
         self.ends = []
+        self.endings = []
         self.partial = b""
 
     def feed(self, chunk):
         *lines, self.partial = (self.partial + chunk).split(b"\n")
-        self.ends += [_RankEnd.parse(line) for line in lines]
+        for line in lines:
+            rank, kind, value = line.decode("utf-8", "replace").split(" ", 2)
+            if kind == "ending":
+                self.endings.append(RankEnding.parse(int(rank), value))
+            else:
+                self.ends.append(_RankEnd.parse(line))
         return True
 
     def flush(self):
@@ -1132,7 +1187,7 @@ def _relay_forker_output(forker_stderr, outputs):
     rank's own child process).
 
     Returns:
-        The `_RankEnd` of each rank that `_rank_output.py` started.
+        The `_EndReports` of the ranks that `_rank_output.py` started.
     """
     reports = _EndReports(outputs.ends)
     selector = selectors.DefaultSelector()
@@ -1176,7 +1231,7 @@ def _relay_forker_output(forker_stderr, outputs):
             key.data.flush()
             end(key.data)
     selector.close()
-    return reports.ends
+    return reports
 
 
 def forker_segment_paths(pid):

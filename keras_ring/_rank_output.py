@@ -31,7 +31,9 @@ off. A signal the user sent `keras-ring-run` is passed on at once:
 imported. `KERAS_RING_RANK_OUTPUT_FDS` holds `OUT,ERR` (one pair for every
 rank) or one pair per rank, separated by spaces, indexed by `PMI_RANK`;
 `KERAS_RING_RANK_END_FD` the pipe the end is reported on, `KERAS_RING_RANK_STOP_FD` the
-pipe that ends when the user has asked the job to stop.
+pipe that ends when the user has asked the job to stop. The command gets the
+first pipe as `KERAS_RING_END_REPORT=fd:N`, to report its own end on
+(`keras_ring/_end_report.py`).
 """
 
 import os
@@ -44,6 +46,7 @@ import time
 VARIABLE = "KERAS_RING_RANK_OUTPUT_FDS"
 END_VARIABLE = "KERAS_RING_RANK_END_FD"
 STOP_VARIABLE = "KERAS_RING_RANK_STOP_FD"
+END_REPORT_VARIABLE = "KERAS_RING_END_REPORT"  # keras_ring._end_report.VARIABLE, not imported
 # How long the forker's own stop is held back; engines see a dead peer within a second.
 _STOP_GRACE_SECONDS = 3
 # What is passed on to the command: the signals that ask a process to end, or that it may use.
@@ -71,7 +74,8 @@ def main(command):
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     pid = os.fork()
     if pid == 0:
-        os.close(end_fd)
+        # The rank reports its own end on the same pipe (keras_ring/_end_report.py).
+        os.environ[END_REPORT_VARIABLE] = f"fd:{end_fd}"
         os.close(stop_fd)
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         try:

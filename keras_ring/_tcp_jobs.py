@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from keras_ring import _launcher
+from keras_ring import _end_report, _launcher
 from keras_ring._rendezvous import RendezvousServer
 
 # Once a rank has failed: how long the others have to fail by themselves (their engines
@@ -153,7 +153,7 @@ def job_env(env, store, secret):
 
 def _rank_env(env, rank, size, store, secret):
     return {**job_env(env, store, secret), "KERAS_RING_RANK": str(rank),
-            "KERAS_RING_SIZE": str(size)}
+            "KERAS_RING_SIZE": str(size), _end_report.VARIABLE: "store"}
 
 
 # What the remote shell runs on another host: a POSIX shell, in the login shell's place (so that
@@ -307,8 +307,9 @@ def run_tcp_job(options, env):
     """Runs the job over the TCP world until every rank has ended.
 
     Returns:
-        0, or the exit code of the first rank that failed (128 + N for a
-        signal N), whose failure `keras-ring-run` names on stderr.
+        0, or the exit code of the rank whose failure ended the job (128 + N
+        for a signal N), which `keras-ring-run` names on stderr
+        (`_first_failure`); 128 + N when the user stopped it with signal N.
     """
     hosts = placement(options)
     remote = [h for h in hosts if h is not None]
@@ -318,11 +319,10 @@ def run_tcp_job(options, env):
     with RendezvousServer(secret.encode(), host=bind) as server:
         store = f"{advertised}:{server.address[1]}"
         ranks = []
-        ending = [None]  # (rank, code) of the first failure, or ("signal", n)
+        signalled = []
 
         def forward(signum, frame):
-            if ending[0] is None:
-                ending[0] = ("signal", signum)
+            signalled.append(signum)
             for r in ranks:
                 signal_process(r, signal.SIGTERM)
 
@@ -333,19 +333,36 @@ def run_tcp_job(options, env):
                     prefix = f"[{rank}] " if options.prefix_output else ""
                     ranks.append(start_process(f"rank {rank}", host, rank_env, options, prefix,
                                                quiet and rank > 0))
-                return _supervise(ranks, ending)
+                exits = _supervise(ranks)
             except BaseException:
                 for r in ranks:
                     signal_process(r, signal.SIGKILL)
                 raise
+        if signalled:
+            return 128 + signalled[0]
+        first = _first_failure(exits, server)
+    if first is None:
+        return 0
+    rank, code, why = first
+    print(f"keras-ring-run: rank {rank} {why}", file=sys.stderr, flush=True)
+    return code or 1  # a rank's exit with code 0 mid-job fails the job
 
 
-def _supervise(ranks, ending):
+def _supervise(ranks):
+    """Relays the ranks' output until every rank has ended; stops the others once one fails.
+
+    Returns:
+        `(rank, returncode, stopped)` for each rank, in the order they were
+        seen to end: its `Popen.returncode` (-N for a signal N), and whether
+        the launcher had begun to stop the ranks then.
+    """
     relay = OutputRelay()
     for r in ranks:
         relay.add(r.streams)
     running = dict(enumerate(ranks))
+    exits = []
     stops = []  # (when, signals) still to send to the ranks left
+    stopping = False
     while running:
         relay.pump(_launcher._PARTIAL_LINE_SECONDS)
         for rank, r in list(running.items()):
@@ -353,22 +370,59 @@ def _supervise(ranks, ending):
             if code is None:
                 continue
             del running[rank]
-            if code != 0 and ending[0] is None:
-                ending[0] = (rank, code)
-                print(f"keras-ring-run: rank {rank} {describe_exit(code)}; stopping the "
-                      "other ranks.", file=sys.stderr, flush=True)
+            exits.append((rank, code, stopping))
+            if code != 0 and not stops and not stopping:
                 now = time.monotonic()
                 stops = [(now + REPORT_SECONDS, (signal.SIGCONT, signal.SIGTERM)),
                          (now + REPORT_SECONDS + GRACE_SECONDS, (signal.SIGKILL,))]
         while stops and time.monotonic() > stops[0][0]:
+            stopping = True
             for other in running.values():
                 for signum in stops[0][1]:
                     signal_process(other, signum)
             stops.pop(0)
     relay.drain()
-    if ending[0] is None:
-        return 0
-    who, code = ending[0]
-    if who == "signal":
-        return 128 + code
-    return 128 - code if code < 0 else code
+    return exits
+
+
+def _first_failure(exits, server):
+    """The rank whose failure ended a TCP job, its exit code and what to say of it; or None.
+
+    A job fails when a rank exits with a code other than 0 or reports that it
+    raised. A rank that started keras-ring and ended without reaching the
+    end of its exit or `shutdown()` (`os._exit`, a signal, a crash) ended
+    abruptly, and the others failed for it: the first such rank seen to end,
+    before the launcher stopped any, is the one. Otherwise the first rank to
+    fail by what the ranks reported (`_launcher.first_to_fail`), and for
+    commands that report nothing the first rank seen to fail. The ranks
+    report through the store (`keras_ring/_end_report.py`).
+
+    Args:
+        exits: What `_supervise` returned.
+        server: The job's `RendezvousServer`.
+    """
+    reported = {}
+    for key in server.keys("end/"):
+        _, rank, kind = key.split("/")
+        reported.setdefault(kind, {})[int(rank)] = server.get(key).decode("utf-8", "replace")
+    started, ended = reported.get("started", {}), reported.get("ended", {})
+    endings = [_launcher.RankEnding.parse(rank, value)
+               for rank, value in reported.get("ending", {}).items()]
+    # A job fails when a rank does, or raised (a shell around it may exit 0 all the same).
+    if all(code == 0 for _, code, _ in exits) and not any(e.error for e in endings):
+        return None
+    for rank, code, stopped in exits:
+        if rank in started and rank not in ended and not stopped:
+            unfinished = " without shutting keras-ring down" if code == 0 else ""
+            return (rank, _shell_code(code),
+                    f"{describe_exit(code)}{unfinished}, the first rank to fail.")
+    first = _launcher.first_to_fail(endings, {rank: _shell_code(code) for rank, code, _ in exits})
+    if first is not None:
+        return first
+    rank, code, _ = next(exit for exit in exits if exit[1] != 0)
+    return rank, _shell_code(code), f"{describe_exit(code)}, the first rank to fail."
+
+
+def _shell_code(returncode):
+    """A `Popen.returncode` as a shell gives it: 128 + N for a signal N."""
+    return 128 - returncode if returncode < 0 else returncode

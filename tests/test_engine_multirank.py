@@ -142,30 +142,43 @@ def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, n
 ENDING_WORKER = os.path.join(os.path.dirname(__file__), "workers", "ending_rank_worker.py")
 
 
+# How rank 1 ends -> (its command's shell wrapper, what the launcher says of it in the MPI world
+# and in the TCP world, the job's exit code). "{}" is python running the worker.
+ENDINGS = {
+    "os._exit(0)": ("exit", "", "exited with code 0 without MPI_Finalize; the launcher "
+                    "stopped the other ranks.", "exited with code 0 without shutting keras-ring "
+                    "down, the first rank to fail.", 1),
+    # sh waits for its python: the launcher sees sh end, with 128 + SIGKILL.
+    "killed-behind-sh": ("kill", "{}", "exited with code 137; the launcher stopped the other "
+                         "ranks.", "exited with code 137, the first rank to fail.", 137),
+    "killed-behind-sh-that-runs-on": (
+        "kill", "{}; echo after", "exited with code 0 without MPI_Finalize; the launcher "
+        "stopped the other ranks.", "exited with code 0 without shutting keras-ring down, the "
+        "first rank to fail.", 1),
+    # An exception: rank 1 shuts down at exit, then the others fail, naming it, maybe first.
+    "exception": ("raise", "", "raised RuntimeError: rank 1 fails and exited with code 1, the "
+                  "first rank to fail.", None, 1),
+}
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("how, shell, named, code, theirs", [
-    ("exit", "", "exited with code 0 without MPI_Finalize; the launcher stopped the other ranks",
-     1, r"rank 1 \(pid \d+\) died"),
-    # sh waits for its python, which the forker does not know of.
-    ("kill", "{}", "exited with code 137; the launcher stopped the other ranks", 137,
-     r"rank 1 \(pid \d+\) died"),
-    ("kill", "{}; echo after", "exited with code 0 without MPI_Finalize; the launcher stopped "
-     "the other ranks", 1, r"rank 1 \(pid \d+\) died"),
-    # An exception: rank 1 shuts down (at exit), then the others fail, naming it; they may end
-    # first, so the launcher names no one.
-    ("raise", "", None, 1, r"rank 1 shut down"),
-], ids=["os._exit(0)", "killed-behind-sh", "killed-behind-sh-that-runs-on", "exception"])
-def test_the_rank_that_ends_a_job_is_named_with_its_exit_code(how, shell, named, code, theirs):
+@pytest.mark.parametrize("transport", ["mpi", "tcp"])
+@pytest.mark.parametrize("case", ENDINGS)
+def test_the_rank_that_ends_a_job_is_named_with_its_exit_code(case, transport):
+    how, shell, named_mpi, named_tcp, code = ENDINGS[case]
+    named = named_mpi if transport == "mpi" else named_tcp or named_mpi
     python = shlex.join([sys.executable, ENDING_WORKER, how])
     rank = ["sh", "-c", shell.format(python)] if shell else shlex.split(python)
     command = [os.path.join(os.path.dirname(sys.executable), "keras-ring-run"),
-               "-np", str(FAULT_RANKS), *rank]
-    result = run_job(command, f"{FAULT_RANKS}-rank job {how}", timeout=120, check=False)
+               "-np", str(FAULT_RANKS), "--transport", transport, *rank]
+    result = run_job(command, f"{FAULT_RANKS}-rank job {case}", timeout=120, check=False)
     assert result.returncode == code, result.stdout
-    if named:
-        assert f"keras-ring-run: rank 1 {named}." in result.stdout, result.stdout
-    else:
-        assert "keras-ring-run: rank" not in result.stdout, result.stdout
+    assert re.findall(r"^keras-ring-run: .*", result.stdout, re.MULTILINE) == [
+        f"keras-ring-run: rank 1 {named}"], result.stdout
+    # Every other rank's own error names rank 1: its shutdown, its pid gone (shared memory),
+    # or its connection closed (TCP), directly or as the reason another rank gave up.
+    theirs = (r"rank 1 shut down" if how == "raise" else
+              r"rank 1( \(pid \d+\) died|'s connection was lost)")
     own = re.findall(rf"^keras_ring\._errors\.WorkerLostError: keras-ring: .*{theirs}",
                      result.stdout, re.MULTILINE)
     assert len(own) == FAULT_RANKS - 1, result.stdout

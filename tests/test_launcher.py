@@ -461,9 +461,32 @@ def test_the_rank_that_ended_a_forker_job_is_found(ends, named, code):
     if named is None:
         assert first is None
     else:
-        end, why = first
-        assert f"rank {end.rank} {why}" == named
-        assert (end.exit_code or 1) == code
+        rank, exit_code, why = first
+        assert f"rank {rank} {why}" == named
+        assert (exit_code or 1) == code
+
+
+def _ending(rank, when, error=""):
+    return _launcher.RankEnding(rank, when, error)
+
+
+@pytest.mark.parametrize("endings, codes, named", [
+    # Rank 1 raised; its engine's shutdown then failed the others, who raised in turn.
+    ([_ending(0, 5.2, "RuntimeError: keras-ring: rank 1 shut down"),
+      _ending(1, 5.0, "ValueError: bad batch")], {0: 1, 1: 1},
+     "rank 1 raised ValueError: bad batch and exited with code 1, the first rank to fail."),
+    # sys.exit(3) mid-job: no exception, a code of its own.
+    ([_ending(0, 5.2, "RuntimeError: keras-ring: rank 1 shut down"), _ending(1, 5.0)],
+     {0: 1, 1: 3}, "rank 1 exited with code 3, the first rank to fail."),
+    # Every rank shut down together; rank 0 failed afterwards: the others exited 0.
+    ([_ending(0, 5.1), _ending(1, 5.0)], {0: 2, 1: 0},
+     "rank 0 exited with code 2, the first rank to fail."),
+    ([_ending(0, 5.1), _ending(1, 5.0)], {0: 0, 1: 0}, None),
+])
+def test_the_rank_that_failed_first_is_found_from_the_ends_the_ranks_reported(
+        endings, codes, named):
+    first = _launcher.first_to_fail(endings, codes)
+    assert (first and f"rank {first[0]} {first[2]}") == named
 
 
 def test_forker_job_removes_its_segments_and_no_others(monkeypatch, tmp_path, capfd):
