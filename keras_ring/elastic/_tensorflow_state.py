@@ -10,14 +10,14 @@ class TensorFlowState(VariablesState):
     eager variables: `save()` (and `commit()`) copies each variable into host
     memory as a NumPy array, with the attributes; `restore()` assigns the copy
     back; `sync()` gives every rank rank 0's variables in one broadcast per
-    dtype, then its saved attributes, and saves. A model's and its
-    optimizer's variables, slots included, are `KerasState`'s business.
+    dtype, then its saved attributes, and saves. For a model's and its
+    optimizer's variables, slots included, use `KerasState`.
     Every rank must make the same variables, in the same order, before the
     state. A `tf.function` traced for the old world keeps what it read of it
     (`kr.size()`, say): make it again in a reset callback.
 
     Args:
-        variables: The `tf.Variable`s to keep (a list, or any iterable).
+        variables: The variables (`tf.Variable`) to keep (a list, or any iterable).
         session: Horovod's TensorFlow 1 session; only `None` is supported
             (eager variables need none).
         **kwargs: Attributes, as for `ObjectState`.
