@@ -247,6 +247,11 @@ class GradientReducer:
         """
         self._local_layers.extend(layers)
 
+    @property
+    def process_set(self):
+        """The `ProcessSet` whose ranks reduce the gradients."""
+        return self._process_set
+
     def is_local(self, source):
         """Whether the gradient of `source` stays on its rank."""
         return id(source) in self.local_ids()

@@ -17,6 +17,7 @@ import numbers
 import keras
 import tensorflow as tf
 
+from keras_ring import _divergence
 from keras_ring._compression import Compression
 from keras_ring._gradient_reducer import GradientReducer, check_no_strategy, local_layer_list
 from keras_ring._reduce_ops import Average
@@ -95,6 +96,14 @@ class _Distribution:
         # Functions to call once, eagerly, when the optimizer and the variables
         # it was built with are ready (see `_call_after_build`).
         self.after_build = []
+        # Whether the ranks' weights were found the same before the first update.
+        self.start_checked = False
+
+
+def _initialized(variables):
+    """Whether the variables (Keras's, or TensorFlow's) hold their values. Eager only."""
+    tf_variables = (v.value if isinstance(v, keras.Variable) else v for v in variables)
+    return all(bool(v.is_initialized()) for v in tf_variables)
 
 
 class _DistributedOptimizerMixin:
@@ -137,11 +146,35 @@ class _DistributedOptimizerMixin:
             return
         with tf.init_scope():
             ready = state.variables + list(self.variables)
-            if not all(bool(v.value.is_initialized()) for v in ready):
+            if not _initialized(ready):
                 return
             calls, state.after_build = state.after_build, []
             for call in calls:
                 call()
+
+    def _check_same_start(self, variables):
+        """Checks, once, that the ranks update the same weights (`_divergence.check_same_start`).
+
+        In a traced step it runs eagerly while TF traces the update, as
+        `_call_after_build` does, once the variables hold their values and
+        after the broadcast `BroadcastGlobalVariablesCallback` left to the
+        optimizer's build (a model built lazily): then the update it checks
+        is the first, or, where the optimizer is built by its first update
+        outside a traced step, the second.
+        """
+        state = self._keras_ring
+        process_set = state.reducer.process_set
+        # A broadcast still to come (`call_after_build`) comes first.
+        if (state.start_checked or state.after_build or variables is None
+                or not process_set.included()):
+            return
+        with tf.init_scope():
+            if not _initialized(list(variables) + list(self.variables)):
+                return
+            state.start_checked = True
+            local = state.reducer.local_ids()
+            _divergence.check_same_start([v for v in variables if id(v) not in local],
+                                         process_set)
 
     def apply(self, grads, trainable_variables=None):
         self._call_after_build()
@@ -150,6 +183,7 @@ class _DistributedOptimizerMixin:
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
         variables = state.variables if trainable_variables is None else trainable_variables
+        self._check_same_start(variables)
         if state.accumulator is None:
             return super().apply(state.reducer.reduce(grads, variables), trainable_variables)
         if variables is None:

@@ -69,6 +69,13 @@ def test_ranks_that_silently_diverge_are_reported(traps):
         (weights,) = diverged[name]
         assert "after epoch 1: their trainable weights" in weights, weights
         assert "keras_ring.load_model(path), not keras.models.load_model" in weights, weights
+        assert weights.endswith("(KERAS_RING_DIVERGENCE=error makes this an error.)"), weights
+    # Ranks that start apart: an error on every rank (the worker checks it), or with
+    # KERAS_RING_DIVERGENCE=warn one warning from rank 0, and no epoch-end warning after it.
+    assert logged["no_broadcast"] == [] and logged["plateau_as_error"] == [], logged
+    (started,) = logged["no_broadcast_warned"]
+    assert started.startswith("The ranks would start training from different weights (ranks "
+                              "that agree: [0]; [1]; [2])"), started
 
 
 def test_evaluate_and_predict_over_shards_give_the_whole_datas_results(traps):

@@ -33,7 +33,7 @@ import zlib
 import keras
 import numpy as np
 
-from keras_ring import _basics, _log, _objects, _ops, _optimizer
+from keras_ring import _basics, _divergence, _log, _objects, _ops, _optimizer
 
 # Points in `fit`.
 TRAIN_BEGIN, BATCH_BEGIN, BATCH_END, EPOCH_END, TRAIN_END, TEST_END, LOOP_END = range(1, 8)
@@ -178,12 +178,7 @@ def _learning_rate(model):
 def _weights_digest(model):
     # Local variables (register_local_var, PartialDistributedOptimizer) differ by design.
     local = _optimizer.local_variable_ids(model.optimizer)
-    digest = 0
-    for variable in model.trainable_weights:
-        if id(variable) in local:
-            continue
-        digest = zlib.crc32(np.ascontiguousarray(keras.ops.convert_to_numpy(variable)), digest)
-    return digest
+    return _divergence.weights_digest(v for v in model.trainable_weights if id(v) not in local)
 
 
 def _rate_digest(model):
@@ -202,11 +197,8 @@ def _divergence_message(point, epoch, differ, digests, rates, distributed):
             "callback that reads the metrics), so that every rank decides from the same averages."
         )
     if "weights" in differ:
-        groups = {}
-        for rank, digest in enumerate(digests[:, 0]):
-            groups.setdefault(digest, []).append(rank)
-        parts.append("trainable weights (ranks that agree: "
-                     + "; ".join(str(ranks) for ranks in groups.values()) + ")")
+        agree = _divergence.agreeing_ranks(range(len(digests)), digests[:, 0].tolist())
+        parts.append(f"trainable weights (ranks that agree: {agree})")
         if not distributed.any():
             causes.append(NOT_DISTRIBUTED_WARNING)
         elif "rate" not in differ:
@@ -364,9 +356,11 @@ class _StepGuard:
         digests = gather([weights, rate])
         rates = gather_text(f"{_learning_rate(model):.7g}")
         distributed = gather([_optimizer.is_distributed(model.optimizer)])[:, 0]
+        message = _divergence_message(point, self.epoch, differ, digests, rates, distributed)
+        if _divergence.mode() == "error":
+            raise RuntimeError(f"keras-ring: {message}")
         if _basics.rank() == 0:
-            _log.warning(_divergence_message(point, self.epoch, differ, digests, rates,
-                                             distributed))
+            _log.warning(f"{message} ({_divergence.VARIABLE}=error makes this an error.)")
 
 
 # The guard of the current `fit`, keyed by the `params` dict that Keras's

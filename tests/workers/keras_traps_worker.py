@@ -170,7 +170,57 @@ def divergence(out_dir):
         rates["plateau_after_average"] != lr
     ):
         return f"FAILED: learning rates {rates}"
-    return "ok"
+    problems = divergence_as_error(x, y, broadcast, average)
+    return f"FAILED: {'; '.join(problems)}" if problems else "ok"
+
+
+def lazy_model():
+    keras.utils.set_random_seed(SEED + kr.rank())
+    return keras.Sequential([keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+
+
+def divergence_as_error(x, y, broadcast, average):
+    """Ranks that start apart stop at the first update; KERAS_RING_DIVERGENCE changes which
+    differences are errors. Returns what went wrong on this rank."""
+    problems = []
+    start = "the ranks would start training from different weights (ranks that agree: "
+    cases = {
+        # (make, callbacks, KERAS_RING_DIVERGENCE, the error's text, or None)
+        "no_broadcast": (lambda: compile_distributed(small_model()), [], "",
+                         f"keras-ring: {start}[0]; [1]; [2])"),
+        "no_broadcast_lazy": (lambda: compile_distributed(lazy_model()), [average()], "",
+                              f"keras-ring: {start}[0]; [1]; [2])"),
+        "no_broadcast_warned": (lambda: compile_distributed(small_model()), [], "warn", None),
+        "plateau_as_error": (lambda: compile_distributed(small_model()),
+                             [broadcast(0), RankMetric(), plateau(), average()], "error",
+                             "keras-ring: The ranks have diverged at the end of training: their "
+                             "learning rates (rank 0: 0.05, rank 1: 0.025"),
+    }
+    for name, (make, callbacks, setting, error) in cases.items():
+        print(f"case {name} begin", flush=True)
+        os.environ["KERAS_RING_DIVERGENCE"] = setting
+        model = make()
+        before = [np.array(w) for w in model.get_weights()]
+        try:
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+            raised = None
+        except RuntimeError as e:
+            raised = str(e)
+        finally:
+            del os.environ["KERAS_RING_DIVERGENCE"]
+        if error is None and raised is not None:
+            problems.append(f"{name}: raised {raised}")
+        elif error is not None and (raised is None or error not in raised):
+            problems.append(f"{name}: wanted an error with {error!r}, got {raised!r}")
+        if name == "no_broadcast" and not all(
+                np.array_equal(a, b) for a, b in zip(before, model.get_weights())):
+            problems.append(f"{name}: the weights changed before the error")
+        if error is not None and "BroadcastGlobalVariablesCallback(0)" not in (
+                raised or "") and name != "plateau_as_error":
+            problems.append(f"{name}: the error does not name the callback: {raised}")
+        kr.barrier()
+        print(f"case {name} end", flush=True)
+    return problems
 
 
 def keras_model_compiled_plain():

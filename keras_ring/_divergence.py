@@ -1,0 +1,105 @@
+"""Data-parallel ranks hold the same weights: the checks that they do, and `KERAS_RING_DIVERGENCE`.
+
+Ranks that start from different weights, or whose weights drift apart, train
+a model each without a word: the loss still falls on every rank. Two checks
+compare a checksum of the ranks' trainable weights (their bits, so it costs
+one read of them and no collective but a row of integers):
+
+- at a `DistributedOptimizer`'s first update (`check_same_start`), which
+  needs no callback: different weights there are an error, since a
+  broadcast before the first step is the only right start;
+- at each epoch end of a `fit` with a keras-ring callback
+  (`callbacks/_sync.py`), with the learning rates: a warning by default,
+  since ranks on hosts of different CPUs may round differently.
+
+`KERAS_RING_DIVERGENCE=error` makes both errors, `=warn` both warnings.
+"""
+
+import os
+import zlib
+
+import keras
+import numpy as np
+
+from keras_ring import _basics, _elastic_world, _log, _ops
+
+VARIABLE = "KERAS_RING_DIVERGENCE"
+_MODES = ("warn", "error")
+_START_NAME = "keras_ring.optimizer.first_update"
+
+
+def mode():
+    """`KERAS_RING_DIVERGENCE`: "warn", "error", or "" (the default: an error at the start only).
+
+    Raises:
+        ValueError: If the variable holds anything else, on every rank at the
+            first update.
+    """
+    value = os.environ.get(VARIABLE, "").strip().lower()
+    if value and value not in _MODES:
+        raise ValueError(f"keras-ring: {VARIABLE} must be warn or error. "
+                         f"Received: {VARIABLE}={os.environ[VARIABLE]}")
+    return value
+
+
+def weights_digest(variables):
+    """A checksum of the variables' values, bit for bit, in their order."""
+    digest = 0
+    for variable in variables:
+        digest = zlib.crc32(np.ascontiguousarray(keras.ops.convert_to_numpy(variable)), digest)
+    return digest
+
+
+def agreeing_ranks(ranks, digests):
+    """'[0, 2]; [1]': the ranks grouped by the digest they hold, for a message."""
+    groups = {}
+    for rank, digest in zip(ranks, digests):
+        groups.setdefault(digest, []).append(rank)
+    return "; ".join(str(group) for group in groups.values())
+
+
+def check_same_start(variables, process_set):
+    """Raises, on every rank, if the ranks' `variables` differ before their first update.
+
+    Collective over `process_set`: every member calls it at its
+    `DistributedOptimizer`'s first update (eagerly, in a traced step while
+    TF traces it). Skipped in an elastic job, whose state's `sync()` gives
+    every rank the same weights and whose new workers' first update is not
+    the others'.
+
+    Args:
+        variables: The variables the optimizer updates, without the local
+            ones (which differ by design).
+        process_set: The `ProcessSet` whose ranks average the gradients.
+
+    Raises:
+        RuntimeError: If the weights differ, naming the ranks that agree
+            (a warning on the set's first rank instead under
+            `KERAS_RING_DIVERGENCE=warn`).
+    """
+    setting = mode()  # read first, so that a wrong value is an error on every rank
+    if _elastic_world.is_elastic() or process_set.size() == 1:
+        return
+    variables = list(variables)
+    row = np.array([[_basics.rank(), len(variables), weights_digest(variables)]], np.int64)
+    rows = _ops.allgather(row, name=_START_NAME, process_set=process_set).numpy()
+    ranks, counts, digests = rows.T.tolist()
+    if len(set(digests)) == 1:
+        return
+    sizes = "" if len(set(counts)) == 1 else (
+        " Their models differ too: trainable variables "
+        + ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts)) + ".")
+    message = (
+        "the ranks would start training from different weights (ranks that agree: "
+        f"{agreeing_ranks(ranks, digests)}), so each would train a model of its own: "
+        f"DistributedOptimizer averages the gradients, not the weights.{sizes} Give every rank "
+        "the root's weights before the first step: pass "
+        "keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) to fit(), or call "
+        "keras_ring.broadcast_variables(model.variables, root_rank=0) before a training loop "
+        "of your own. Variables that differ between ranks by design must be registered with "
+        "optimizer.register_local_var(variable)."
+    )
+    if setting != "warn":
+        raise RuntimeError(f"keras-ring: {message} ({VARIABLE}=warn makes this a warning.)")
+    if _basics.rank() == ranks[0]:
+        _log.warning(message[0].upper() + message[1:], once=True)
