@@ -81,7 +81,9 @@ def _report_ending():
     # Python keeps the exception that ended the script in sys.last_value (SystemExit excepted).
     error = getattr(sys, "last_value", None)
     text = "" if error is None else f"{type(error).__name__}: {error}".split("\n", 1)[0]
-    _report("ending", f"{time.time():.6f} {text[:_TEXT_CHARS]}".rstrip())
+    if len(text) > _TEXT_CHARS:
+        text = text[: _TEXT_CHARS - 3] + "..."
+    _report("ending", f"{time.time():.6f} {text}".rstrip())
 
 
 def _report_ended():
