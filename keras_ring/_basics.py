@@ -132,21 +132,22 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
             "keras-ring: init(comm=...) is not supported yet; keras-ring uses the whole "
             f"MPI job. Received: comm={comm!r}"
         )
+    given = dict(fusion_threshold=fusion_threshold, cycle_time=cycle_time,
+                 stall_check_time=stall_check_time,
+                 stall_shutdown_time=stall_shutdown_time, cache_capacity=cache_capacity)
+    # Checked on a second call too, which changes nothing: a bad value is an error either way.
+    settings = {}
+    for argument, value in given.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"keras-ring: `{argument}` must be a non-negative number. "
+                             f"Received: {argument}={value!r}")
+        counts = ("fusion_threshold", "cache_capacity")
+        settings[_SETTINGS[argument]] = int(value) if argument in counts else float(value)
     with _lock:
         if _topology is not None:
             return
-        given = dict(fusion_threshold=fusion_threshold, cycle_time=cycle_time,
-                     stall_check_time=stall_check_time,
-                     stall_shutdown_time=stall_shutdown_time, cache_capacity=cache_capacity)
-        settings = {}
-        for argument, value in given.items():
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"keras-ring: `{argument}` must be a non-negative number. "
-                                 f"Received: {argument}={value!r}")
-            counts = ("fusion_threshold", "cache_capacity")
-            settings[_SETTINGS[argument]] = int(value) if argument in counts else float(value)
         given_settings = {k: v for k, v in given.items() if v is not None}
         info = _launcher.read_build_info()
         _mpi_env.check_launcher_environment(info)

@@ -7,6 +7,7 @@ that traced the same function; eager collectives run one at a time, so they
 may share a name.
 """
 
+import functools
 import numbers
 import warnings
 
@@ -127,6 +128,17 @@ def _tensor_name(name, ignore_name_scope):
     return f"{scope}/{name}" if scope else name
 
 
+def _name_input(tensor_name):
+    """The ops' `tensor_name` input (see custom_ops/tensorflow/ops.cc): a kept tensor when eager."""
+    return _eager_name(tensor_name) if tf.executing_eagerly() else tensor_name
+
+
+# A name used again costs no conversion to a tensor (about 10 us a call).
+@functools.lru_cache(maxsize=1024)
+def _eager_name(tensor_name):
+    return tf.constant(tensor_name)
+
+
 def _to_tensor(tensor, api, reduces=False):
     tensor = tf.convert_to_tensor(tensor)
     dtype = tensor.dtype
@@ -181,7 +193,7 @@ def _dense_input(tensor, api, arg="tensor", reduces=False):
 
 def _allgather(tensor, tensor_name, set_id=0):
     return _library().keras_ring_allgather(
-        _to_tensor(tensor, "allgather"), tensor_name=tensor_name, process_set_id=set_id
+        _to_tensor(tensor, "allgather"), tensor_name=_name_input(tensor_name), process_set_id=set_id
     )
 
 
@@ -289,7 +301,7 @@ def allreduce(
             reduce_op=op,
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
-            tensor_name=tensor_name,
+            tensor_name=_name_input(tensor_name),
             process_set_id=describe(process_set)[0],
         )[0]
 
@@ -419,7 +431,7 @@ def _grouped_allreduce(
                 reduce_op=op,
                 prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor,
-                tensor_name=tensor_name,
+                tensor_name=_name_input(tensor_name),
                 process_set_id=set_id,
             )
         for i, output in zip(dense, outputs):
@@ -498,7 +510,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     return _library().keras_ring_broadcast(
         _to_tensor(tensor, "broadcast"),
         root_rank=root,
-        tensor_name=_tensor_name(name, ignore_name_scope),
+        tensor_name=_name_input(_tensor_name(name, ignore_name_scope)),
         process_set_id=set_id,
     )
 
@@ -546,7 +558,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     if not tensors:
         return []
     return list(_library().keras_ring_grouped_allgather(
-        tensors, tensor_name=tensor_name, process_set_id=set_id
+        tensors, tensor_name=_name_input(tensor_name), process_set_id=set_id
     ))
 
 
@@ -616,7 +628,7 @@ def reducescatter(
             reduce_op=op,
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
-            tensor_name=tensor_name,
+            tensor_name=_name_input(tensor_name),
             process_set_id=describe(process_set)[0],
         )[0]
 
@@ -697,7 +709,7 @@ def grouped_reducescatter(
             reduce_op=op,
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
-            tensor_name=tensor_name,
+            tensor_name=_name_input(tensor_name),
             process_set_id=set_id,
         )
 
@@ -759,7 +771,7 @@ def _alltoall_splits(splits, tensor, size):
 
 def _alltoall(tensor, splits, tensor_name, set_id, set_size):
     output, received_splits = _library().keras_ring_alltoall(
-        tensor, splits, tensor_name=tensor_name, process_set_id=set_id
+        tensor, splits, tensor_name=_name_input(tensor_name), process_set_id=set_id
     )
     received_splits.set_shape([set_size])
     return output, received_splits
@@ -1033,11 +1045,14 @@ def _gradient_reduction(op, api):
     }
 
 
+# Each op's last input is the tensor name (custom_ops/tensorflow/ops.cc): its gradient is None.
+
+
 @tf.RegisterGradient("KerasRingAllreduce")
 def _allreduce_grad(op, grad):
     # Every rank's loss depends on every rank's input through the same
     # linear map, so the gradient is the same reduction of the gradients.
-    return allreduce(grad, **_gradient_reduction(op, "allreduce"))
+    return allreduce(grad, **_gradient_reduction(op, "allreduce")), None
 
 
 @tf.RegisterGradient("KerasRingGroupedAllreduce")
@@ -1048,7 +1063,7 @@ def _grouped_allreduce_grad(op, *grads):
     reduced = grouped_allreduce(
         [grads[i] for i in present], **_gradient_reduction(op, "grouped_allreduce")
     )
-    results = [None] * len(grads)
+    results = [None] * len(op.inputs)
     for i, g in zip(present, reduced):
         results[i] = g
     return results
@@ -1062,7 +1077,7 @@ def _allgather_grad(op, grad):
     grad = allreduce(tf.convert_to_tensor(grad), op=Sum, process_set=process_set)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
     offset = tf.reduce_sum(allgather(rows, process_set=process_set)[: describe(process_set)[2]])
-    return grad[offset : offset + rows[0]]
+    return grad[offset : offset + rows[0]], None
 
 
 @tf.RegisterGradient("KerasRingBroadcast")
@@ -1071,11 +1086,11 @@ def _broadcast_grad(op, grad):
     process_set = _set_of_op(op)
     reduced = allreduce(tf.convert_to_tensor(grad), op=Sum, process_set=process_set)
     if describe(process_set)[2] == op.get_attr("root_rank"):
-        return reduced
+        return reduced, None
     # Zeros that wait for the allreduce: in a graph a bare zeros_like is a constant, and a
     # session would never run this rank's part of the collective.
     with tf.control_dependencies([reduced]):
-        return tf.zeros_like(reduced)
+        return tf.zeros_like(reduced), None
 
 
 def _scale(tensor, factor):
@@ -1116,14 +1131,14 @@ def _reducescatter_grad(op, grad):
     # input gradient is every rank's output gradient, gathered in rank order,
     # times the map's factor.
     scale = _reducescatter_gradient_scale(op, "reducescatter")
-    return _scale(allgather(tf.convert_to_tensor(grad), process_set=_set_of_op(op)), scale)
+    return _scale(allgather(tf.convert_to_tensor(grad), process_set=_set_of_op(op)), scale), None
 
 
 @tf.RegisterGradient("KerasRingGroupedReducescatter")
 def _grouped_reducescatter_grad(op, *grads):
     scale = _reducescatter_gradient_scale(op, "grouped_reducescatter")
     indices, values = _differentiable(op, grads)
-    results = [None] * len(grads)
+    results = [None] * len(op.inputs)
     for i, g in zip(indices, grouped_allgather(values, process_set=_set_of_op(op))):
         results[i] = _scale(g, scale)
     return results
@@ -1133,7 +1148,7 @@ def _grouped_reducescatter_grad(op, *grads):
 def _grouped_allgather_grad(op, *grads):
     # As _allgather_grad, per tensor; one allgather finds every tensor's offset.
     indices, values = _differentiable(op, grads)
-    results = [None] * len(grads)
+    results = [None] * len(op.inputs)
     if not indices:
         return results
     process_set = _set_of_op(op)
@@ -1151,7 +1166,7 @@ def _alltoall_grad(op, grad, _received_splits_grad):
     # Each output row came from one row of one rank's input: the gradient
     # rows go back the way they came, received_splits[j] of them to rank j.
     if grad is None:
-        return [None, None]
+        return [None, None, None]
     set_id, set_size, _ = describe(_set_of_op(op))
     output, _ = _alltoall(tf.convert_to_tensor(grad), op.outputs[1], "", set_id, set_size)
-    return [output, None]
+    return [output, None, None]

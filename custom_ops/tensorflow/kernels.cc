@@ -214,13 +214,27 @@ class PendingOp {
 class CollectiveKernel : public AsyncOpKernel {
  public:
   explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &name_));
     OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_));
-    // Node names are equal on every rank that built the same graph.
-    if (name_.empty()) name_ = name();
   }
 
  protected:
+  // The inputs before the last, tensor_name (see ops.cc).
+  static int DataInputs(OpKernelContext* ctx) { return ctx->num_inputs() - 1; }
+
+  // The request's name: the tensor_name input, or else the node name, which
+  // is equal on every rank that built the same graph.
+  absl::Status RequestName(OpKernelContext* ctx, std::string* out) const {
+    const Tensor& given = ctx->input(DataInputs(ctx));
+    if (!::tensorflow::TensorShapeUtils::IsScalar(given.shape())) {
+      return absl::InvalidArgumentError(
+          "keras-ring: tensor_name must be a string scalar; received shape " +
+          given.shape().DebugString());
+    }
+    *out = std::string(given.scalar<::tensorflow::tstring>()());
+    if (out->empty()) *out = name();
+    return absl::OkStatus();
+  }
+
   // Describes input `index` of `ctx` to the engine; output may be null
   // (allgather, reducescatter, alltoall), in which case the engine asks for
   // it via allocate_output.
@@ -275,7 +289,6 @@ class CollectiveKernel : public AsyncOpKernel {
         finished.get());
   }
 
-  std::string name_;
   int32_t process_set_ = 0;
 };
 
@@ -318,20 +331,22 @@ class AllreduceOp : public ReductionKernel {
       : ReductionKernel(c), grouped_(type_string() == "KerasRingGroupedAllreduce") {}
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    std::vector<Request> requests(ctx->num_inputs());
-    for (int i = 0; i < ctx->num_inputs(); ++i) {
+    std::string name;
+    OP_REQUIRES_OK_ASYNC(ctx, RequestName(ctx, &name), done);
+    std::vector<Request> requests(DataInputs(ctx));
+    for (int i = 0; i < DataInputs(ctx); ++i) {
       Tensor* output = nullptr;
       OP_REQUIRES_OK_ASYNC(
           ctx, ctx->forward_input_or_allocate_output({i}, i, ctx->input(i).shape(), &output),
           done);
       OP_REQUIRES_OK_ASYNC(ctx,
-                           NewRequest(ctx, i, TensorName(name_, grouped_, i), KR_ALLREDUCE,
+                           NewRequest(ctx, i, TensorName(name, grouped_, i), KR_ALLREDUCE,
                                       output, &requests[i]),
                            done);
       SetReduction(&requests[i].fields);
     }
     // The group is named like the op; its tensor i as `<name>.<i>`.
-    Submit(ctx, std::move(done), std::move(requests), grouped_ ? name_.c_str() : nullptr);
+    Submit(ctx, std::move(done), std::move(requests), grouped_ ? name.c_str() : nullptr);
   }
 
  private:
@@ -347,10 +362,12 @@ class ReducescatterOp : public ReductionKernel {
       : ReductionKernel(c), grouped_(type_string() == "KerasRingGroupedReducescatter") {}
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    std::vector<Request> requests(ctx->num_inputs());
-    for (int i = 0; i < ctx->num_inputs(); ++i) {
+    std::string name;
+    OP_REQUIRES_OK_ASYNC(ctx, RequestName(ctx, &name), done);
+    std::vector<Request> requests(DataInputs(ctx));
+    for (int i = 0; i < DataInputs(ctx); ++i) {
       OP_REQUIRES_OK_ASYNC(ctx,
-                           NewRequest(ctx, i, TensorName(name_, grouped_, i), KR_REDUCESCATTER,
+                           NewRequest(ctx, i, TensorName(name, grouped_, i), KR_REDUCESCATTER,
                                       nullptr, &requests[i]),
                            done);
       SetReduction(&requests[i].fields);
@@ -370,10 +387,12 @@ class AllgatherOp : public CollectiveKernel {
       : CollectiveKernel(c), grouped_(type_string() == "KerasRingGroupedAllgather") {}
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    std::vector<Request> requests(ctx->num_inputs());
-    for (int i = 0; i < ctx->num_inputs(); ++i) {
+    std::string name;
+    OP_REQUIRES_OK_ASYNC(ctx, RequestName(ctx, &name), done);
+    std::vector<Request> requests(DataInputs(ctx));
+    for (int i = 0; i < DataInputs(ctx); ++i) {
       OP_REQUIRES_OK_ASYNC(ctx,
-                           NewRequest(ctx, i, TensorName(name_, grouped_, i), KR_ALLGATHER,
+                           NewRequest(ctx, i, TensorName(name, grouped_, i), KR_ALLGATHER,
                                       nullptr, &requests[i]),
                            done);
     }
@@ -391,15 +410,17 @@ class AlltoallOp : public CollectiveKernel {
   using CollectiveKernel::CollectiveKernel;
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    std::string name;
+    OP_REQUIRES_OK_ASYNC(ctx, RequestName(ctx, &name), done);
     const Tensor& splits = ctx->input(1);
     OP_REQUIRES_ASYNC(ctx, ::tensorflow::TensorShapeUtils::IsVector(splits.shape()),
                       absl::InvalidArgumentError(
                           "keras-ring: alltoall splits must be a vector; received splits of "
-                          "shape " + splits.shape().DebugString() + " for tensor '" + name_ +
+                          "shape " + splits.shape().DebugString() + " for tensor '" + name +
                           "'"),
                       done);
     std::vector<Request> requests(1);
-    OP_REQUIRES_OK_ASYNC(ctx, NewRequest(ctx, 0, name_, KR_ALLTOALL, nullptr, &requests[0]),
+    OP_REQUIRES_OK_ASYNC(ctx, NewRequest(ctx, 0, name, KR_ALLTOALL, nullptr, &requests[0]),
                          done);
     // The engine checks the values (one per rank, none negative, adding up to
     // the first dimension) and names the tensor when they are wrong.
@@ -417,12 +438,14 @@ class BroadcastOp : public CollectiveKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    std::string name;
+    OP_REQUIRES_OK_ASYNC(ctx, RequestName(ctx, &name), done);
     Tensor* output = nullptr;
     OP_REQUIRES_OK_ASYNC(
         ctx, ctx->forward_input_or_allocate_output({0}, 0, ctx->input(0).shape(), &output),
         done);
     std::vector<Request> requests(1);
-    OP_REQUIRES_OK_ASYNC(ctx, NewRequest(ctx, 0, name_, KR_BROADCAST, output, &requests[0]),
+    OP_REQUIRES_OK_ASYNC(ctx, NewRequest(ctx, 0, name, KR_BROADCAST, output, &requests[0]),
                          done);
     requests[0].fields.root_rank = root_rank_;
     Submit(ctx, std::move(done), std::move(requests));

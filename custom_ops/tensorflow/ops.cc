@@ -5,6 +5,11 @@
 // must neither prune, deduplicate nor constant-fold it. The ops that move
 // bytes (allgather, broadcast, alltoall) take int16, uint16 and bool too; the
 // reductions do not.
+//
+// The name that matches a request across ranks is every op's last input, a
+// string scalar, not an attr: eager TensorFlow keeps a kernel for each set of
+// attrs an op is called with, for the life of the process, so a new name per
+// call (a metric's name per epoch, say) would grow memory by a kernel each.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -15,15 +20,16 @@ namespace {
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
+// Every op's last input is its tensor_name; output i has the shape of input i.
 absl::Status GroupedUnchangedShape(InferenceContext* c) {
-  for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
   return absl::OkStatus();
 }
 
 // Output i is input i with its first dimension known only at run time (the
 // sum over ranks for allgather, this rank's share for reducescatter).
 absl::Status FirstDimensionUnknownShape(InferenceContext* c) {
-  for (int i = 0; i < c->num_inputs(); ++i) {
+  for (int i = 0; i < c->num_outputs(); ++i) {
     ShapeHandle output;
     TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(i), 1, &output));
     TF_RETURN_IF_ERROR(c->ReplaceDim(output, 0, c->UnknownDim(), &output));
@@ -54,9 +60,9 @@ REGISTER_OP("KerasRingAllreduce")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
     .Attr("compression: int = 0")
-    .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
+    .Input("tensor_name: string")
     .Output("output: T")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
@@ -73,8 +79,8 @@ prescale_factor: Multiplies each rank's input before the reduction.
 postscale_factor: Multiplies the result after the reduction.
 compression: 0 = none; 1 = float16, 2 = bfloat16 on the wire for float and
   double tensors (converted as the engine copies them in and out).
-tensor_name: The name that matches this request across ranks; empty means the
-  node name.
+tensor_name: A string scalar: the name that matches this request across ranks;
+  empty means the node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
 )doc");
@@ -85,9 +91,9 @@ REGISTER_OP("KerasRingGroupedAllreduce")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
     .Attr("compression: int = 0")
-    .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensors: T")
+    .Input("tensor_name: string")
     .Output("outputs: T")
     .SetIsStateful()
     .SetShapeFn(GroupedUnchangedShape)
@@ -104,16 +110,17 @@ prescale_factor: Multiplies each rank's inputs before the reduction.
 postscale_factor: Multiplies the results after the reduction.
 compression: 0 = none; 1 = float16, 2 = bfloat16 on the wire for float and
   double tensors (converted as the engine copies them in and out).
-tensor_name: The name `<name>` above; empty means the node name.
+tensor_name: A string scalar: the name `<name>` above; empty means the node
+  name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
 )doc");
 
 REGISTER_OP("KerasRingAllgather")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, int16, uint16, bool}")
-    .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
+    .Input("tensor_name: string")
     .Output("output: T")
     .SetIsStateful()
     .SetShapeFn(FirstDimensionUnknownShape)
@@ -125,8 +132,8 @@ and the dtype must agree.
 
 tensor: This rank's rows; rank at least 1.
 output: Every rank's rows; the first dimension is their sum over ranks.
-tensor_name: The name that matches this request across ranks; empty means the
-  node name.
+tensor_name: A string scalar: the name that matches this request across ranks;
+  empty means the node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
 )doc");
@@ -134,9 +141,9 @@ process_set_id: The process set to run in (0: every rank); ranks and sizes
 REGISTER_OP("KerasRingGroupedAllgather")
     .Attr("T: list({half, bfloat16, float, double, int8, uint8, int32, int64, int16, uint16, "
           "bool}) >= 1")
-    .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensors: T")
+    .Input("tensor_name: string")
     .Output("outputs: T")
     .SetIsStateful()
     .SetShapeFn(FirstDimensionUnknownShape)
@@ -150,7 +157,8 @@ differ between ranks (and be 0); its other dimensions and dtype must agree.
 tensors: This rank's rows of each tensor; each of rank at least 1.
 outputs: Every rank's rows of each tensor, in rank order; each first dimension
   is the sum over ranks.
-tensor_name: The name `<name>` above; empty means the node name.
+tensor_name: A string scalar: the name `<name>` above; empty means the node
+  name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
 )doc");
@@ -161,9 +169,9 @@ REGISTER_OP("KerasRingReducescatter")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
     .Attr("compression: int = 0")
-    .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
+    .Input("tensor_name: string")
     .Output("output: T")
     .SetIsStateful()
     .SetShapeFn(FirstDimensionUnknownShape)
@@ -181,8 +189,8 @@ prescale_factor: Multiplies each rank's input before the reduction.
 postscale_factor: Multiplies the result after the reduction.
 compression: 0 = none; 1 = float16, 2 = bfloat16 on the wire for float and
   double tensors (converted as the engine copies them in and out).
-tensor_name: The name that matches this request across ranks; empty means the
-  node name.
+tensor_name: A string scalar: the name that matches this request across ranks;
+  empty means the node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
 )doc");
@@ -193,9 +201,9 @@ REGISTER_OP("KerasRingGroupedReducescatter")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
     .Attr("compression: int = 0")
-    .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensors: T")
+    .Input("tensor_name: string")
     .Output("outputs: T")
     .SetIsStateful()
     .SetShapeFn(FirstDimensionUnknownShape)
@@ -213,17 +221,18 @@ prescale_factor: Multiplies each rank's inputs before the reduction.
 postscale_factor: Multiplies the results after the reduction.
 compression: 0 = none; 1 = float16, 2 = bfloat16 on the wire for float and
   double tensors (converted as the engine copies them in and out).
-tensor_name: The name `<name>` above; empty means the node name.
+tensor_name: A string scalar: the name `<name>` above; empty means the node
+  name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
 )doc");
 
 REGISTER_OP("KerasRingAlltoall")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, int16, uint16, bool}")
-    .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Input("splits: int32")
+    .Input("tensor_name: string")
     .Output("output: T")
     .Output("received_splits: int32")
     .SetIsStateful()
@@ -242,8 +251,8 @@ splits: The rows for each rank, one entry per rank, adding up to the first
   of ranks).
 output: The rows received from every rank, in rank order.
 received_splits: The rows received from each rank, one entry per rank.
-tensor_name: The name that matches this request across ranks; empty means the
-  node name.
+tensor_name: A string scalar: the name that matches this request across ranks;
+  empty means the node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
 )doc");
@@ -251,9 +260,9 @@ process_set_id: The process set to run in (0: every rank); ranks and sizes
 REGISTER_OP("KerasRingBroadcast")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, int16, uint16, bool}")
     .Attr("root_rank: int")
-    .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
+    .Input("tensor_name: string")
     .Output("output: T")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
@@ -264,8 +273,8 @@ tensor: The value to send on the root; elsewhere only its shape and dtype
   matter, and they must agree with the root's.
 output: The root's tensor.
 root_rank: The rank whose tensor is broadcast.
-tensor_name: The name that matches this request across ranks; empty means the
-  node name.
+tensor_name: A string scalar: the name that matches this request across ranks;
+  empty means the node name.
 process_set_id: The process set to run in (0: every rank); ranks and sizes
   count within it.
 )doc");
