@@ -173,8 +173,12 @@ def test_the_rank_that_ends_a_job_is_named_with_its_exit_code(case, transport):
                "-np", str(FAULT_RANKS), "--transport", transport, *rank]
     result = run_job(command, f"{FAULT_RANKS}-rank job {case}", timeout=120, check=False)
     assert result.returncode == code, result.stdout
-    assert re.findall(r"^keras-ring-run: .*", result.stdout, re.MULTILINE) == [
-        f"keras-ring-run: rank 1 {named}"], result.stdout
+    # On a loaded machine a survivor may still be exiting when the launcher's hold ends;
+    # the launcher then says that it stops it, which changes nothing of the verdict.
+    said = [line for line in re.findall(r"^keras-ring-run: .*", result.stdout, re.MULTILINE)
+            if not re.fullmatch(r"keras-ring-run: rank \d \(pid \d+\) outlived the rank "
+                                r"process it ran under: sending it SIGCONT and SIGTERM\.", line)]
+    assert said == [f"keras-ring-run: rank 1 {named}"], result.stdout
     # Every other rank's own error names rank 1: its shutdown, its pid gone (shared memory),
     # or its connection closed (TCP), directly or as the reason another rank gave up.
     theirs = (r"rank 1 shut down" if how == "raise" else
