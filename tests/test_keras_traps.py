@@ -11,7 +11,7 @@ from conftest import run_job
 pytestmark = pytest.mark.multirank
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "keras_traps_worker.py"
-SCENARIOS = ["uneven", "divergence", "evaluate_predict"]
+SCENARIOS = ["uneven", "divergence", "evaluate_predict", "keras_backup"]
 # 3 ranks: uneven shards of three lengths, and ranks other than the root that differ.
 NP = 3
 
@@ -80,3 +80,7 @@ def test_ranks_that_silently_diverge_are_reported(traps):
 
 def test_evaluate_and_predict_over_shards_give_the_whole_datas_results(traps):
     assert outcomes(traps, "evaluate_predict", NP) == ["ok"] * NP
+
+
+def test_keras_own_backup_in_one_directory_is_refused_naming_keras_rings(traps):
+    assert outcomes(traps, "keras_backup", NP) == ["ok"] * NP

@@ -20,7 +20,8 @@ steps broadcast the model's and the optimizer's state to the others, who
 missed the last updates.
 
 `SyncedCallback` is the base of the callbacks that communicate. Its hooks run
-the step guard: an exchange at train begin (which also compares the epochs),
+the step guard: an exchange at train begin (which also compares the epochs,
+and refuses Keras's own `BackupAndRestore` given one directory on every rank),
 at each batch begin (before the train step's own collectives), at the end of
 each epoch's train loop, at each epoch end and at train end (counting the
 ended steps at each batch end needs none). The callbacks of one `fit` share
@@ -28,6 +29,7 @@ one guard, so the guard exchanges once per point however many keras-ring
 callbacks are in the list.
 """
 
+import sys
 import zlib
 
 import keras
@@ -48,7 +50,7 @@ _KINDS = {
 }
 # A row of an exchange: the rank, then its position (point, epoch, step,
 # kind: must agree on every rank), then the values compared.
-_RANK, _POSITION, _VALUES = 1, 4, 3
+_RANK, _POSITION, _VALUES = 1, 4, 4
 _NAME = "keras_ring.callbacks.sync"
 
 NOT_DISTRIBUTED_WARNING = (
@@ -91,7 +93,7 @@ def exchange(point, epoch, step, kind, values=()):
         epoch: The epoch index (or -1 before the first epoch).
         step: The step within the epoch (see `_StepGuard.exchange`).
         kind: Who exchanges (`GUARD`, `VARIABLES`, `METRICS`, `STOP`).
-        values: Up to three integers to compare across the ranks.
+        values: Up to four integers to compare across the ranks.
 
     Returns:
         `(low, high)`: the minimum and maximum of each of `values` over the
@@ -240,17 +242,27 @@ class _StepGuard:
         self._last_point = point
         return True
 
-    def train_begin(self, params, model):
+    def train_begin(self, params, model, callbacks):
         if not self._first_at((TRAIN_BEGIN,)):
             return
         epochs = int(params.get("epochs") or 0)
+        backup_dir = _keras_backup_dir(callbacks)
         distributed = _optimizer.is_distributed(model.optimizer)
         # Several steps per call of the train function: a rank whose data runs
         # out within a call ends it early, before a callback could join.
         per_call = int(getattr(model, "steps_per_execution", 1) or 1)
         planned = params.get("steps") if per_call > 1 else 0
         planned = -1 if planned is None else int(planned)
-        low, high = self.exchange(TRAIN_BEGIN, GUARD, (epochs, distributed, planned))
+        backup = 0 if backup_dir is None else digest(backup_dir) + 1
+        low, high = self.exchange(TRAIN_BEGIN, GUARD, (epochs, distributed, planned, backup))
+        if low[3] > 0 and low[3] == high[3] and _basics.size() > 1:
+            raise ValueError(
+                "keras-ring: keras.callbacks.BackupAndRestore writes its backup from every rank "
+                f"into one directory ({backup_dir!r}), where the ranks' writes collide at the "
+                "first epoch end (FileExistsError, or h5py's lock error). Use "
+                f"keras_ring.callbacks.BackupAndRestore({backup_dir!r}) instead: the same "
+                "arguments; rank 0 writes the backup, and every rank restores it."
+            )
         if low[0] != high[0]:
             counts = per_rank(gather([epochs])[:, 0])
             raise RuntimeError(
@@ -363,6 +375,32 @@ class _StepGuard:
             _log.warning(f"{message} ({_divergence.VARIABLE}=error makes this an error.)")
 
 
+def _keras_backup_dir(callbacks):
+    """The directory of Keras's own BackupAndRestore among `callbacks`, or None."""
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            return str(callback.backup_dir)
+    return None
+
+
+def _sibling_callbacks():
+    """The callbacks of the `keras.callbacks.CallbackList` running the current hook, or [].
+
+    No hook hands a callback the others of its `fit`, which builds the list
+    itself: the list is the `self` of the frame that called the hook, a few
+    frames up (through subclasses' hooks that call their parent's).
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList):
+            return list(owner.callbacks)
+        frame = frame.f_back
+    return []
+
+
 # The guard of the current `fit`, keyed by the `params` dict that Keras's
 # CallbackList hands to each of its callbacks (one dict per `fit`).
 _current = (None, None)
@@ -388,7 +426,7 @@ class SyncedCallback(keras.callbacks.Callback):
         return _guard_for(self.params)
 
     def on_train_begin(self, logs=None):
-        self.step_guard.train_begin(self.params, self.model)
+        self.step_guard.train_begin(self.params, self.model, _sibling_callbacks())
 
     def on_epoch_begin(self, epoch, logs=None):
         self.step_guard.epoch_begin(epoch)

@@ -287,8 +287,37 @@ def evaluate_predict(out_dir):
     return f"FAILED: {'; '.join(problems)}" if problems else "ok"
 
 
+def keras_backup(out_dir):
+    """Keras's own BackupAndRestore with one directory on every rank is refused at train begin,
+    naming keras-ring's; with a directory per rank it trains, as keras-ring's does with one."""
+    x, y = data(32, seed=kr.rank())
+    shared = os.path.join(out_dir, "shared")
+    problems = []
+    cases = {
+        "keras_shared": (keras.callbacks.BackupAndRestore(shared), True),
+        "keras_per_rank": (keras.callbacks.BackupAndRestore(
+            os.path.join(out_dir, f"rank{kr.rank()}")), False),
+        "keras_ring_shared": (kr.callbacks.BackupAndRestore(shared), False),
+    }
+    for name, (backup, refused) in cases.items():
+        model = compile_distributed(small_model())
+        try:
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                      callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0), backup])
+            error = None
+        except ValueError as e:
+            error = str(e)
+        wanted = f"Use keras_ring.callbacks.BackupAndRestore({shared!r}) instead"
+        if refused and (error is None or wanted not in error):
+            problems.append(f"{name}: wanted the refusal, got {error!r}")
+        elif not refused and error is not None:
+            problems.append(f"{name}: raised {error}")
+        kr.barrier()
+    return f"FAILED: {'; '.join(problems)}" if problems else "ok"
+
+
 SCENARIOS = {"uneven": uneven, "divergence": divergence,
-             "evaluate_predict": evaluate_predict}
+             "evaluate_predict": evaluate_predict, "keras_backup": keras_backup}
 
 
 def main():
