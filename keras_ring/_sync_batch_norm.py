@@ -97,6 +97,8 @@ class SyncBatchNormalization(_BatchNormalization):
     `keras_ring.load_model`, or with `keras.models.load_model` once the class
     has been looked up in the process (any mention of
     `kr.SyncBatchNormalization`, or `import keras_ring` after `import keras`).
+    For a process without keras-ring, save the copy that
+    `SyncBatchNormalization.to_batch_normalization(model)` makes.
 
     Args:
         **kwargs: As for `keras.layers.BatchNormalization` (`axis`,
@@ -157,6 +159,53 @@ class SyncBatchNormalization(_BatchNormalization):
                 "Keras release."
             )
         return outputs
+
+    @staticmethod
+    def to_batch_normalization(model):
+        """A copy of `model` whose `SyncBatchNormalization` layers are Keras's `BatchNormalization`.
+
+        For inference where keras-ring is not installed: a `.keras` file of
+        the copy loads with plain Keras, whose loader knows no class it has
+        not seen registered (a file of `model` itself names this layer, so it
+        loads only where keras-ring is importable). The copy computes exactly
+        what `model` does in inference (the same moving statistics and
+        weights); in training it would normalise by each process's own batch.
+        It is not compiled.
+
+        Args:
+            model: A built `keras.Sequential` or functional `keras.Model`
+                (`keras.models.clone_model` copies those, nested models
+                included; a subclassed model makes its layers in its own
+                code: make them `BatchNormalization` there).
+
+        Returns:
+            The copy, holding a copy of `model`'s weights.
+
+        Raises:
+            ValueError: If `model` is not built, or cannot be cloned.
+
+        Example:
+
+        ```python
+        if kr.rank() == 0:
+            kr.SyncBatchNormalization.to_batch_normalization(model).save("serve.keras")
+        ```
+        """
+        if not model.built:
+            raise ValueError(
+                "SyncBatchNormalization.to_batch_normalization needs a built model (one with a "
+                "keras.Input, or called or fitted once): it copies the weights. "
+                f"Received: an unbuilt model {model.name!r}"
+            )
+
+        def clone(layer):
+            if isinstance(layer, SyncBatchNormalization):
+                return _BatchNormalization.from_config(layer.get_config())
+            return layer.__class__.from_config(layer.get_config())
+
+        copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+        copy.set_weights(model.get_weights())
+        return copy
 
     def _moments(self, inputs, mask):
         # Overrides a private method of Keras's BatchNormalization (see

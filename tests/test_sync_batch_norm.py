@@ -134,6 +134,39 @@ print(json.dumps([type(layer).__module__ + "." + type(layer).__name__, predictio
         np.testing.assert_array_equal(np.asarray(prediction, np.float32), expected)
 
 
+def test_a_copy_with_batch_normalization_loads_and_predicts_without_keras_ring(tmp_path):
+    kr.init()
+    trained = fit(build_model(kr.SyncBatchNormalization, epsilon=0.01))
+    # Nested in a functional model, as a block of a larger network would be.
+    inputs = keras.Input((3, 2, 4))
+    model = keras.Model(inputs, keras.layers.Activation("tanh")(trained(inputs)))
+    copy = kr.SyncBatchNormalization.to_batch_normalization(model)
+    layer = copy.layers[1].layers[1]
+    assert type(layer) is keras.layers.BatchNormalization, copy.layers
+    assert layer.get_config() == trained.layers[1].get_config()
+    x = data()[0][:5]
+    expected = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(copy.predict(x, verbose=0), expected)
+    path = tmp_path / "serve.keras"
+    copy.save(path)
+    np.save(tmp_path / "x.npy", x)
+    script = f"""
+import json, sys, numpy as np, keras
+model = keras.models.load_model({str(path)!r})
+prediction = model.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0)
+print(json.dumps(["keras_ring" in sys.modules, prediction.tolist()]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, check=False, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported, prediction = json.loads(result.stdout.strip().splitlines()[-1])
+    assert imported is False
+    np.testing.assert_array_equal(np.asarray(prediction, np.float32), expected)
+    with pytest.raises(ValueError, match="needs a built model"):
+        kr.SyncBatchNormalization.to_batch_normalization(
+            keras.Sequential([kr.SyncBatchNormalization()]))
+
+
 def test_synchronized_true_is_refused():
     with pytest.raises(ValueError, match="synchronized=True"):
         kr.SyncBatchNormalization(synchronized=True)

@@ -566,6 +566,9 @@ def check_mismatch_errors():
     naming the tensor; later ops still work."""
     cases = {
         "mismatch.shape": lambda: kr.allreduce(tf.zeros([RANK + 1]), name="mismatch.shape"),
+        "mismatch.dtype": lambda: kr.allreduce(
+            tf.zeros([2], tf.float32 if RANK else tf.float64), name="mismatch.dtype"
+        ),
         "mismatch.op": lambda: kr.allreduce(
             tf.zeros([2]), op=kr.Sum if RANK else kr.Max, name="mismatch.op"
         ),
