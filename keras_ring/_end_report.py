@@ -14,10 +14,12 @@ instead.
 `keras-ring-run` names where to report in `KERAS_RING_END_REPORT`: `fd:N`
 (a pipe to it, which `_rank_output.py` hands down), or `store` (the job's
 rendezvous store, `KERAS_RING_RENDEZVOUS` with `KERAS_RING_SECRET`). Without
-it, nothing is reported.
+it, nothing is reported. `RankEnding` and `first_to_fail` are how
+`keras-ring-run` reads the reports back.
 """
 
 import atexit
+import dataclasses
 import os
 import sys
 import time
@@ -113,3 +115,44 @@ def _report(kind, value):
             store.set(f"end/{rank}/{kind}", value.encode("utf-8", "replace"))
     except ConnectionError:
         pass
+
+
+@dataclasses.dataclass(frozen=True)
+class RankEnding:
+    """What a rank reported as its exit began (`_report_ending`): when, and the exception.
+
+    Attributes:
+        rank: The rank.
+        when: Its `time.time()` then.
+        error: The exception's type and first line ("ValueError: bad"), or "".
+    """
+
+    rank: int
+    when: float
+    error: str
+
+    @classmethod
+    def parse(cls, rank, value):
+        when, _, error = value.partition(" ")
+        return cls(rank, float(when), error)
+
+
+def first_to_fail(endings, codes):
+    """The rank whose exit started a failed job's end, its code and what to say of it; or None.
+
+    A rank that raises shuts its engine down at exit, and only then do the
+    others fail, naming it, and exit: of the ranks that raised or exited with
+    a code other than 0 (a shell around a rank may hide its code), the one
+    whose exit began first (as each reported) failed first.
+
+    Args:
+        endings: The `RankEnding`s reported.
+        codes: The exit code of each rank that ended, by rank.
+    """
+    failing = [ending for ending in endings if codes.get(ending.rank, 0) != 0 or ending.error]
+    if not failing:
+        return None
+    first = min(failing, key=lambda ending: ending.when)
+    code = codes[first.rank]
+    raised = f"raised {first.error} and " if first.error else ""
+    return first.rank, code, f"{raised}exited with code {code}, the first rank to fail."

@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from keras_ring import _rank_output
+from keras_ring import _end_report, _rank_output
 
 USAGE_ERROR = 2
 REBUILD_HINT = (
@@ -770,7 +770,7 @@ def run_job(argv, env, forker=False, prefix_output=False, quiet=False, np=1):
     ends = reports.ends
     codes = {end.rank: end.exit_code for end in ends}
     first = None if signalled else (_first_failure(ends)
-                                    or first_to_fail(reports.endings, codes))
+                                    or _end_report.first_to_fail(reports.endings, codes))
     # A stopped rank the watch ended did not end the job: the line it printed says why it died.
     if first is not None and watch and first[0] in watch.ended:
         first = None
@@ -831,7 +831,7 @@ def _first_failure(ends):
     forker stops the others: the rank that ended last before the first of
     them was signalled started it, whatever its status (exit code 0 too).
     A rank that fails after MPI_Finalize (an exception, which shuts the engine
-    down at exit) stops no one: `first_to_fail` finds it.
+    down at exit) stops no one: `_end_report.first_to_fail` finds it.
 
     Args:
         ends: Every rank's `_RankEnd` (those of ranks never started are missing).
@@ -846,53 +846,12 @@ def _first_failure(ends):
             f"{end.describe()}{unfinalized}; the launcher stopped the other ranks.")
 
 
-@dataclasses.dataclass(frozen=True)
-class RankEnding:
-    """What a rank reported as its exit began (`_end_report.py`): when, and the exception.
-
-    Attributes:
-        rank: The rank.
-        when: Its `time.time()` then.
-        error: The exception's type and first line ("ValueError: bad"), or "".
-    """
-
-    rank: int
-    when: float
-    error: str
-
-    @classmethod
-    def parse(cls, rank, value):
-        when, _, error = value.partition(" ")
-        return cls(rank, float(when), error)
-
-
-def first_to_fail(endings, codes):
-    """The rank whose exit started a failed job's end, its code and what to say of it; or None.
-
-    A rank that raises shuts its engine down at exit, and only then do the
-    others fail, naming it, and exit: of the ranks that raised or exited with
-    a code other than 0 (a shell around a rank may hide its code), the one
-    whose exit began first (as each reported) failed first.
-
-    Args:
-        endings: The `RankEnding`s reported.
-        codes: The exit code of each rank that ended, by rank.
-    """
-    failing = [ending for ending in endings if codes.get(ending.rank, 0) != 0 or ending.error]
-    if not failing:
-        return None
-    first = min(failing, key=lambda ending: ending.when)
-    code = codes[first.rank]
-    raised = f"raised {first.error} and " if first.error else ""
-    return first.rank, code, f"{raised}exited with code {code}, the first rank to fail."
-
-
 class _EndReports:
     """The pipe `_rank_output.py` and the ranks report their ends on, read as `_RankStream`s are.
 
     Attributes:
         ends: Each rank's `_RankEnd`, as its start script reported it.
-        endings: The `RankEnding`s the ranks reported.
+        endings: The `_end_report.RankEnding`s the ranks reported.
     """
 
     def __init__(self, fd):
@@ -906,7 +865,7 @@ class _EndReports:
         for line in lines:
             rank, kind, value = line.decode("utf-8", "replace").split(" ", 2)
             if kind == "ending":
-                self.endings.append(RankEnding.parse(int(rank), value))
+                self.endings.append(_end_report.RankEnding.parse(int(rank), value))
             else:
                 self.ends.append(_RankEnd.parse(line))
         return True

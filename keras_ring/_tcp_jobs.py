@@ -393,7 +393,7 @@ def _first_failure(exits, server):
     end of its exit or `shutdown()` (`os._exit`, a signal, a crash) ended
     abruptly, and the others failed for it: the first such rank seen to end,
     before the launcher stopped any, is the one. Otherwise the first rank to
-    fail by what the ranks reported (`_launcher.first_to_fail`), and for
+    fail by what the ranks reported (`_end_report.first_to_fail`), and for
     commands that report nothing the first rank seen to fail. The ranks
     report through the store (`keras_ring/_end_report.py`).
 
@@ -406,7 +406,7 @@ def _first_failure(exits, server):
         _, rank, kind = key.split("/")
         reported.setdefault(kind, {})[int(rank)] = server.get(key).decode("utf-8", "replace")
     started, ended = reported.get("started", {}), reported.get("ended", {})
-    endings = [_launcher.RankEnding.parse(rank, value)
+    endings = [_end_report.RankEnding.parse(rank, value)
                for rank, value in reported.get("ending", {}).items()]
     # A job fails when a rank does, or raised (a shell around it may exit 0 all the same).
     if all(code == 0 for _, code, _ in exits) and not any(e.error for e in endings):
@@ -416,7 +416,7 @@ def _first_failure(exits, server):
             unfinished = " without shutting keras-ring down" if code == 0 else ""
             return (rank, _shell_code(code),
                     f"{describe_exit(code)}{unfinished}, the first rank to fail.")
-    first = _launcher.first_to_fail(endings, {rank: _shell_code(code) for rank, code, _ in exits})
+    first = _end_report.first_to_fail(endings, {rank: _shell_code(code) for rank, code, _ in exits})
     if first is not None:
         return first
     rank, code, _ = next(exit for exit in exits if exit[1] != 0)

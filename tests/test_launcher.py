@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from keras_ring import _launcher, _mpi_env
+from keras_ring import _end_report, _launcher, _mpi_env
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 
@@ -467,7 +467,7 @@ def test_the_rank_that_ended_a_forker_job_is_found(ends, named, code):
 
 
 def _ending(rank, when, error=""):
-    return _launcher.RankEnding(rank, when, error)
+    return _end_report.RankEnding(rank, when, error)
 
 
 @pytest.mark.parametrize("endings, codes, named", [
@@ -485,7 +485,7 @@ def _ending(rank, when, error=""):
 ])
 def test_the_rank_that_failed_first_is_found_from_the_ends_the_ranks_reported(
         endings, codes, named):
-    first = _launcher.first_to_fail(endings, codes)
+    first = _end_report.first_to_fail(endings, codes)
     assert (first and f"rank {first[0]} {first[2]}") == named
 
 
