@@ -95,9 +95,9 @@ def check_same_start(variables, process_set):
         f"DistributedOptimizer averages the gradients, not the weights.{sizes} Give every rank "
         "the root's weights before the first step: pass "
         "keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) to fit(), or call "
-        "keras_ring.broadcast_variables(model.variables, root_rank=0) before a training loop "
-        "of your own. Variables that differ between ranks by design must be registered with "
-        "optimizer.register_local_var(variable)."
+        "keras_ring.broadcast_variables(model.variables, root_rank=0) once the model is built "
+        "(it has variables), before a training loop of your own. Variables that differ "
+        "between ranks by design must be registered with optimizer.register_local_var(variable)."
     )
     if setting != "warn":
         raise RuntimeError(f"keras-ring: {message} ({VARIABLE}=warn makes this a warning.)")

@@ -5,10 +5,10 @@ fails too, naming it; all of them exit with code 1, in any order, so exit
 statuses alone cannot say which failed first. So in a job `keras-ring-run`
 started, a rank reports from `atexit`, before the engine shuts down: that it
 is ending, when (`time.time()`), and the exception that ends it, if one does.
-In a TCP job it also reports that it started the engine and, after the
-engine's shutdown (by `shutdown()`, or at exit), that it got that far: a rank
-that started and ends without the second report (`os._exit`, a signal, a
-crash) ended abruptly; under MPICH's forker the start script sees that
+In a TCP job it also reports each start of the engine and, after each
+shutdown (by `shutdown()`, or at exit), that it got that far: a rank whose
+last start has no such report (`os._exit`, a signal, a crash) ended
+abruptly; under MPICH's forker the start script sees that
 instead.
 
 `keras-ring-run` names where to report in `KERAS_RING_END_REPORT`: `fd:N`
@@ -33,6 +33,8 @@ _STORE_TIMEOUT_SECONDS = 5.0
 
 _target = None  # ("fd", fd) or ("store", address, secret), once read
 _rank = None  # this rank, once the engine has started
+_starts = 0  # the engine's starts in this process (init() again after shutdown())
+_ending_since = None  # when shutdown() ran with an exception on its way out
 _registered = set()  # the reports registered with atexit
 
 
@@ -49,11 +51,12 @@ def before_engine_start():
 
 def after_engine_start(rank):
     """Registers the report of this rank's end, before the engine shuts down at exit."""
-    global _rank
+    global _rank, _starts
     _rank = rank
+    _starts += 1
     if _read_target():
-        if _target[0] == "store" and _report_ending not in _registered:
-            _report("started", "")
+        if _target[0] == "store":
+            _report("started", str(_starts))
         _register(_report_ending)
 
 
@@ -82,19 +85,29 @@ def _read_target():
 def _report_ending():
     # Python keeps the exception that ended the script in sys.last_value (SystemExit excepted).
     error = getattr(sys, "last_value", None)
+    when = time.time() if _ending_since is None else _ending_since
     text = "" if error is None else f"{type(error).__name__}: {error}".split("\n", 1)[0]
     if len(text) > _TEXT_CHARS:
         text = text[: _TEXT_CHARS - 3] + "..."
-    _report("ending", f"{time.time():.6f} {text}".rstrip())
+    _report("ending", f"{when:.6f} {text}".rstrip())
 
 
 def _report_ended():
     if _rank is not None:
-        _report("ended", "")
+        _report("ended", str(_starts))
 
 
 def shut_down():
-    """Reports, in a TCP job, that `shutdown()` shut the engine down: this rank may end any way."""
+    """Notes `shutdown()`: in a TCP job, that the engine shut down (the rank may end any way).
+
+    A `shutdown()` in a `finally:` around training, with an exception on its
+    way out, is where this rank's end began (the others fail from here on):
+    the report at exit gives that time, with the exception the script ended
+    with, if it did.
+    """
+    global _ending_since
+    if _ending_since is None and sys.exc_info()[1] is not None:
+        _ending_since = time.time()
     if _read_target() and _target[0] == "store":
         _report_ended()
 
@@ -153,6 +166,6 @@ def first_to_fail(endings, codes):
     if not failing:
         return None
     first = min(failing, key=lambda ending: ending.when)
-    code = codes[first.rank]
+    code = codes.get(first.rank, 1)  # 1 where the rank's own end was never reported
     raised = f"raised {first.error} and " if first.error else ""
     return first.rank, code, f"{raised}exited with code {code}, the first rank to fail."

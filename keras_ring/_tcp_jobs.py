@@ -412,7 +412,7 @@ def _first_failure(exits, server):
     if all(code == 0 for _, code, _ in exits) and not any(e.error for e in endings):
         return None
     for rank, code, stopped in exits:
-        if rank in started and rank not in ended and not stopped:
+        if rank in started and ended.get(rank) != started[rank] and not stopped:
             unfinished = " without shutting keras-ring down" if code == 0 else ""
             return (rank, _shell_code(code),
                     f"{describe_exit(code)}{unfinished}, the first rank to fail.")

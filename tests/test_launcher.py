@@ -482,6 +482,10 @@ def _ending(rank, when, error=""):
     ([_ending(0, 5.1), _ending(1, 5.0)], {0: 2, 1: 0},
      "rank 0 exited with code 2, the first rank to fail."),
     ([_ending(0, 5.1), _ending(1, 5.0)], {0: 0, 1: 0}, None),
+    # Rank 1's start script never reported its end (it was killed): its code counts as 1.
+    ([_ending(0, 5.2, "RuntimeError: keras-ring: rank 1 shut down"),
+      _ending(1, 5.0, "ValueError: bad batch")], {0: 1},
+     "rank 1 raised ValueError: bad batch and exited with code 1, the first rank to fail."),
 ])
 def test_the_rank_that_failed_first_is_found_from_the_ends_the_ranks_reported(
         endings, codes, named):

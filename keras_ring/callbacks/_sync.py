@@ -21,7 +21,8 @@ missed the last updates.
 
 `SyncedCallback` is the base of the callbacks that communicate. Its hooks run
 the step guard: an exchange at train begin (which also compares the epochs,
-and refuses Keras's own `BackupAndRestore` given one directory on every rank),
+and refuses Keras's own `BackupAndRestore` given one directory on every rank
+of a host),
 at each batch begin (before the train step's own collectives), at the end of
 each epoch's train loop, at each epoch end and at train end (counting the
 ended steps at each batch end needs none). The callbacks of one `fit` share
@@ -253,9 +254,12 @@ class _StepGuard:
         per_call = int(getattr(model, "steps_per_execution", 1) or 1)
         planned = params.get("steps") if per_call > 1 else 0
         planned = -1 if planned is None else int(planned)
-        backup = 0 if backup_dir is None else digest(backup_dir) + 1
+        # Ranks that share a host and a directory collide; one rank per host may be given a
+        # directory of its host's own (the same path names another directory on each host).
+        shared = backup_dir is not None and _basics.local_size() > 1
+        backup = digest(backup_dir) + 1 if shared else 0
         low, high = self.exchange(TRAIN_BEGIN, GUARD, (epochs, distributed, planned, backup))
-        if low[3] > 0 and low[3] == high[3] and _basics.size() > 1:
+        if low[3] > 0 and low[3] == high[3]:
             raise ValueError(
                 "keras-ring: keras.callbacks.BackupAndRestore writes its backup from every rank "
                 f"into one directory ({backup_dir!r}), where the ranks' writes collide at the "
@@ -376,9 +380,12 @@ class _StepGuard:
 
 
 def _keras_backup_dir(callbacks):
-    """The directory of Keras's own BackupAndRestore among `callbacks`, or None."""
+    """The directory of Keras's own BackupAndRestore among `callbacks`, or None.
+
+    Keras's class itself: a subclass may write on one rank only.
+    """
     for callback in callbacks:
-        if isinstance(callback, keras.callbacks.BackupAndRestore):
+        if type(callback) is keras.callbacks.BackupAndRestore:
             return str(callback.backup_dir)
     return None
 
