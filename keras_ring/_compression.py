@@ -1,6 +1,10 @@
-"""Gradient compression for the reductions, with Horovod's `Compressor` interface."""
+"""Gradient compression for the reductions, with Horovod's `Compressor` interface.
 
-import tensorflow as tf
+Backend-free: the engine itself converts float32 and float64 tensors for
+`fp16` and `bf16` as it copies them (every framework's adapter passes it the
+compressor's `wire_dtype`); the methods below run only where the engine
+cannot, on TensorFlow tensors of other dtypes.
+"""
 
 
 class Compressor:
@@ -40,12 +44,16 @@ class _CastCompressor(Compressor):
 
     @classmethod
     def compress(cls, tensor):
+        import tensorflow as tf
+
         if tensor.dtype.is_floating:
             return tf.cast(tensor, cls.wire_dtype), tensor.dtype
         return tensor, tensor.dtype
 
     @staticmethod
     def decompress(tensor, ctx):
+        import tensorflow as tf
+
         if ctx.is_floating:
             return tf.cast(tensor, ctx)
         return tensor
@@ -54,13 +62,13 @@ class _CastCompressor(Compressor):
 class FP16Compressor(_CastCompressor):
     """Sends floating-point tensors as float16 (11 significant bits, range ±65504)."""
 
-    wire_dtype = tf.float16
+    wire_dtype = "float16"
 
 
 class BF16Compressor(_CastCompressor):
     """Sends floating-point tensors as bfloat16 (8 significant bits, float32's range)."""
 
-    wire_dtype = tf.bfloat16
+    wire_dtype = "bfloat16"
 
 
 class Compression:

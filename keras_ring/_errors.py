@@ -40,7 +40,9 @@ class HostsUpdatedInterrupt(RuntimeError):
 def worker_lost(error):
     """Returns `error` as a `WorkerLostError` if it reports a lost worker, else None.
 
-    TensorFlow ops of keras-ring report a lost worker as
+    JAX custom calls of keras-ring report one as a `JaxRuntimeError` whose
+    message starts with "UNAVAILABLE: keras-ring:". TensorFlow ops of
+    keras-ring report a lost worker as
     `tf.errors.UnavailableError` with the engine's message, which starts
     with "keras-ring:" (TensorFlow adds its own words around it, and inside a
     `tf.function` raises an `InternalError` saying the op returned
@@ -54,6 +56,14 @@ def worker_lost(error):
     """
     if isinstance(error, WorkerLostError):
         return error
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(error, jax.errors.JaxRuntimeError):
+        found = re.match(r"UNAVAILABLE: (keras-ring:.*)", str(error), re.DOTALL)
+        if not found:
+            return None
+        lost = WorkerLostError(found[1].strip())
+        lost.__cause__ = error
+        return lost
     tf = sys.modules.get("tensorflow")
     if tf is None or not isinstance(error, tf.errors.OpError):
         return None

@@ -8,13 +8,12 @@ may share a name.
 """
 
 import functools
-import numbers
-import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from keras_ring import _basics, _compression, _process_sets, _tf_build
+from keras_ring._collective_args import reduce_args as _reduce_args
 from keras_ring._process_sets import describe, global_process_set, root_index
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
 from keras_ring._reduce_ops import Average, Max, Min, Product, Sum, refuse_adasum  # noqa: F401
@@ -35,58 +34,6 @@ _REDUCED_DTYPES = (
     tf.int64,
 )
 _MOVED_DTYPES = (tf.int16, tf.uint16, tf.bool)
-
-
-def _reduce_op(op, average):
-    if average is not None:
-        if op is not None:
-            raise ValueError(
-                "Pass either `op` or the deprecated `average`, not both. "
-                f"Received: op={op!r}, average={average!r}"
-            )
-        warnings.warn(
-            "The `average` argument is deprecated; pass op=keras_ring.Average "
-            "or op=keras_ring.Sum instead.",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-        return Average if average else Sum
-    if op is None:
-        return Average
-    refuse_adasum(op)
-    if isinstance(op, bool) or not isinstance(op, numbers.Integral) or op not in _REDUCE_OP_NAMES:
-        raise ValueError(
-            f"`op` must be one of keras_ring.Average, Sum, Min, Max or Product. Received: op={op!r}"
-        )
-    return int(op)
-
-
-def _scale_factor(arg, value):
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{arg}` must be a number. Received: {arg}={value!r}") from None
-
-
-def _compressor(compression):
-    if compression is None:
-        return _compression.Compression.none
-    if not (callable(getattr(compression, "compress", None))
-            and callable(getattr(compression, "decompress", None))):
-        raise ValueError(
-            "`compression` must be a keras_ring.Compression member (none, fp16, bf16) or a "
-            f"Compressor. Received: compression={compression!r}"
-        )
-    return compression
-
-
-def _reduce_args(op, average, compression, prescale_factor, postscale_factor):
-    return (
-        _reduce_op(op, average),
-        _compressor(compression),
-        _scale_factor("prescale_factor", prescale_factor),
-        _scale_factor("postscale_factor", postscale_factor),
-    )
 
 
 # The built-in compressors whose casts the engine does itself for float32 and

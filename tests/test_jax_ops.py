@@ -1,0 +1,74 @@
+"""keras_ring.jax: its collectives across ranks, its build, and what it refuses."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "jax_ops_worker.py"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np", [2, 3])
+def test_jax_ops(run_ranks, np):
+    run_ranks(np, WORKER, timeout=600)
+
+
+def _python(code, env=None):
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "KERAS_BACKEND": "jax", **(env or {})},
+    )
+
+
+def test_jax_alone_never_imports_tensorflow():
+    # TensorFlow is installed here; a JAX job must not load it (nor pay its start-up).
+    result = _python(
+        "import sys\n"
+        "import jax, jax.numpy as jnp\n"
+        "import keras_ring as kr, keras_ring.jax as krj\n"
+        "krj.init()\n"
+        "x = jax.jit(lambda v: krj.allreduce(v, op=krj.Sum))(jnp.ones(3))\n"
+        "g = krj.allgather(jnp.ones((2, 1)))\n"
+        "print(float(x.sum()), g.shape, 'tensorflow' in sys.modules)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3.0", "(2,", "1)", "False"]
+
+
+def test_arrays_over_several_devices_are_refused():
+    result = _python(
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "import keras_ring.jax as krj\n"
+        "krj.init()\n"
+        "mesh = jax.sharding.Mesh(np.array(jax.devices()), ('d',))\n"
+        "x = jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, jax.P('d')))\n"
+        "krj.allreduce(x)\n",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    assert result.returncode != 0
+    assert "one process per device" in result.stderr and "2 devices" in result.stderr
+
+
+def test_keras_ring_build_builds_the_jax_adapter(tmp_path):
+    env = {**os.environ, "KERAS_RING_CACHE_DIR": str(tmp_path)}
+    build = os.path.join(os.path.dirname(sys.executable), "keras-ring-build")
+    result = subprocess.run([build], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "JAX adapter at" in result.stdout and "TensorFlow adapter at" in result.stdout
+    assert list(tmp_path.glob("jax-*/libkeras_ring_jax.so"))
+    assert list(tmp_path.glob("tf-*/libkeras_ring_tf_ops.so"))
+
+
+def test_a_jax_runtime_error_of_a_lost_worker_is_recognised():
+    import jax
+
+    from keras_ring import _errors
+
+    lost = _errors.worker_lost(jax.errors.JaxRuntimeError(
+        "UNAVAILABLE: keras-ring: rank 1 died during allreduce of 'x'"))
+    assert isinstance(lost, _errors.WorkerLostError)
+    assert str(lost) == "keras-ring: rank 1 died during allreduce of 'x'"
+    assert _errors.worker_lost(jax.errors.JaxRuntimeError("INTERNAL: something else")) is None
