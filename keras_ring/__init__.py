@@ -79,6 +79,8 @@ _LAZY = {
     "PartialDistributedGradientTape": "keras_ring._gradient_tape",
     "SyncBatchNormalization": "keras_ring._sync_batch_norm",
     "shard_dataset": "keras_ring._data",
+    "shard_arrays": "keras_ring._data",
+    "shard_py_dataset": "keras_ring._data",
     "rank_zero_verbose": "keras_ring._data",
     "unshard": "keras_ring._data",
     "evaluate": "keras_ring._evaluate",

@@ -1,10 +1,118 @@
-"""Data helpers: each rank's shard of a dataset, its results gathered back, output on rank 0."""
+"""Data helpers: each rank's shard of a dataset, its results gathered back, output on rank 0.
+
+Every shard holds the elements `rank, rank + size(), ...` (Horovod's
+`dataset.shard(size, rank)`), whatever the data's kind: a `tf.data.Dataset`
+(`shard_dataset`, which needs TensorFlow), NumPy arrays (`shard_arrays`) or
+a `keras.utils.PyDataset` (`shard_py_dataset`, by batch). `unshard` puts
+every rank's results back in the data's order.
+"""
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_ring import _basics, _ops
+from keras_ring import _basics, _host_collectives
+
+
+def _shard_range(count, drop_remainder):
+    """This rank's indices of `count` elements."""
+    size, rank = _basics.size(), _basics.rank()
+    end = count - count % size if drop_remainder else count
+    return range(rank, end, size)
+
+
+def shard_arrays(*arrays, drop_remainder=False):
+    """Returns this rank's rows of NumPy arrays: rows `rank, rank + size(), ...`.
+
+    The rows `shard_dataset` would give this rank of a dataset of the same
+    rows, so `unshard` puts results of them back in order. Works under every
+    Keras backend; pass the shards to `model.fit` as usual.
+
+    Args:
+        *arrays: Arrays (or anything `np.asarray` takes) with the same first
+            dimension, such as `x` and `y`.
+        drop_remainder: If `True`, the last `rows % size()` rows are left
+            out, so that every rank gets the same number.
+
+    Returns:
+        This rank's rows of the array, or a tuple of them for several.
+
+    Raises:
+        ValueError: If the arrays' first dimensions differ.
+
+    Example:
+
+    ```python
+    kr.init()
+    x_train, y_train = kr.shard_arrays(x_train, y_train)
+    model.fit(x_train, y_train, batch_size=32)
+    ```
+    """
+    _basics._require_initialized("shard_arrays()")
+    arrays = [np.asarray(a) for a in arrays]
+    rows = {a.shape[0] if a.ndim else None for a in arrays}
+    if len(rows) != 1 or None in rows:
+        raise ValueError(
+            "shard_arrays() takes arrays of the same first dimension (one row per sample). "
+            f"Received shapes: {[a.shape for a in arrays]}"
+        )
+    index = _shard_range(rows.pop(), drop_remainder)
+    shards = tuple(a[index.start:index.stop:index.step] for a in arrays)
+    return shards[0] if len(shards) == 1 else shards
+
+
+class _ShardedPyDataset(keras.utils.PyDataset):
+    """Batches `rank, rank + size(), ...` of a `keras.utils.PyDataset`."""
+
+    def __init__(self, dataset, drop_remainder):
+        super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                         max_queue_size=dataset.max_queue_size)
+        self.dataset = dataset
+        self._batches = _shard_range(len(dataset), drop_remainder)
+
+    def __len__(self):
+        return len(self._batches)
+
+    def __getitem__(self, index):
+        return self.dataset[self._batches[index]]
+
+    def on_epoch_begin(self):
+        self.dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.dataset.on_epoch_end()
+
+
+def shard_py_dataset(dataset, drop_remainder=False):
+    """Returns this rank's batches of a `keras.utils.PyDataset`: `rank, rank + size(), ...`.
+
+    Under every Keras backend. Each rank then runs `len(dataset) // size()`
+    or one more steps per epoch (the same number with `drop_remainder`).
+
+    Args:
+        dataset: A `keras.utils.PyDataset` of finite length (`__len__`).
+        drop_remainder: If `True`, the last `len(dataset) % size()` batches
+            are left out, so that every rank runs the same number of steps.
+
+    Returns:
+        A `keras.utils.PyDataset` of this rank's batches, with the
+        original's workers and epoch hooks.
+
+    Raises:
+        TypeError: If `dataset` is not a `keras.utils.PyDataset`.
+
+    Example:
+
+    ```python
+    kr.init()
+    model.fit(kr.shard_py_dataset(MyBatches(x, y, batch_size=32)), epochs=5)
+    ```
+    """
+    _basics._require_initialized("shard_py_dataset()")
+    if not isinstance(dataset, keras.utils.PyDataset):
+        raise TypeError(
+            f"`dataset` must be a keras.utils.PyDataset. Received: dataset={dataset!r}"
+        )
+    return _ShardedPyDataset(dataset, drop_remainder)
 
 
 def shard_dataset(dataset, drop_remainder=False):
@@ -46,6 +154,14 @@ def shard_dataset(dataset, drop_remainder=False):
     dataset = tf.data.Dataset.range(10).apply(kr.shard_dataset).batch(2)
     ```
     """
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise ImportError(
+            "keras_ring.shard_dataset shards a tf.data.Dataset and needs TensorFlow, which is "
+            "not installed. Without TensorFlow, shard NumPy arrays with kr.shard_arrays(x, y) "
+            "or a keras.utils.PyDataset with kr.shard_py_dataset(dataset)."
+        ) from None
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"`dataset` must be a tf.data.Dataset. Received: dataset={dataset!r}")
     size, rank = _basics.size(), _basics.rank()
@@ -100,7 +216,7 @@ def unshard(results, name="keras_ring.unshard"):
     ```
     """
     _basics._require_initialized("unshard()")
-    flat = [np.asarray(keras.ops.convert_to_numpy(r)) for r in tf.nest.flatten(results)]
+    flat = [np.asarray(keras.ops.convert_to_numpy(r)) for r in keras.tree.flatten(results)]
     rows = {a.shape[0] if a.ndim else -1 for a in flat}
     if len(rows) != 1 or -1 in rows:
         raise ValueError(
@@ -108,7 +224,7 @@ def unshard(results, name="keras_ring.unshard"):
             f"first dimension. Received shapes: {[a.shape for a in flat]}"
         )
     size = _basics.size()
-    counts = _ops.allgather(np.array([rows.pop()], np.int64), name=f"{name}.counts").numpy()
+    counts = _host_collectives.allgather(np.array([rows.pop()], np.int64), f"{name}.counts")
     total = int(counts.sum())
     if counts.tolist() != [len(range(r, total, size)) for r in range(size)]:
         raise ValueError(
@@ -121,11 +237,11 @@ def unshard(results, name="keras_ring.unshard"):
     order = np.concatenate([np.arange(r, total, size) for r in range(size)])
     gathered = []
     for i, array in enumerate(flat):
-        together = _ops.allgather(array, name=f"{name}.{i}").numpy()
+        together = _host_collectives.allgather(array, f"{name}.{i}")
         back = np.empty_like(together)
         back[order] = together
         gathered.append(back)
-    return tf.nest.pack_sequence_as(results, gathered)
+    return keras.tree.pack_sequence_as(results, gathered)
 
 
 def rank_zero_verbose(verbose=1):

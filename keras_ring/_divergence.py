@@ -21,7 +21,7 @@ import zlib
 import keras
 import numpy as np
 
-from keras_ring import _basics, _elastic_world, _log, _ops
+from keras_ring import _basics, _elastic_world, _host_collectives, _log
 
 VARIABLE = "KERAS_RING_DIVERGENCE"
 _MODES = ("warn", "error")
@@ -42,11 +42,11 @@ def mode():
     return value
 
 
-def weights_digest(variables):
-    """A checksum of the variables' values, bit for bit, in their order."""
+def weights_digest(values):
+    """A checksum of the values (variables or arrays), bit for bit, in their order."""
     digest = 0
-    for variable in variables:
-        digest = zlib.crc32(np.ascontiguousarray(keras.ops.convert_to_numpy(variable)), digest)
+    for value in values:
+        digest = zlib.crc32(np.ascontiguousarray(keras.ops.convert_to_numpy(value)), digest)
     return digest
 
 
@@ -58,8 +58,8 @@ def agreeing_ranks(ranks, digests):
     return "; ".join(str(group) for group in groups.values())
 
 
-def check_same_start(variables, process_set):
-    """Raises, on every rank, if the ranks' `variables` differ before their first update.
+def check_same_start(values, process_set):
+    """Raises, on every rank, if the ranks' weights differ before their first update.
 
     Collective over `process_set`: every member calls it at its
     `DistributedOptimizer`'s first update (eagerly, in a traced step while
@@ -68,8 +68,8 @@ def check_same_start(variables, process_set):
     the others'.
 
     Args:
-        variables: The variables the optimizer updates, without the local
-            ones (which differ by design).
+        values: The values (NumPy arrays) of the variables the optimizer
+            updates, without the local ones (which differ by design).
         process_set: The `ProcessSet` whose ranks average the gradients.
 
     Raises:
@@ -80,9 +80,9 @@ def check_same_start(variables, process_set):
     setting = mode()  # read first, so that a wrong value is an error on every rank
     if _elastic_world.is_elastic() or process_set.size() == 1:
         return
-    variables = list(variables)
-    row = np.array([[_basics.rank(), len(variables), weights_digest(variables)]], np.int64)
-    rows = _ops.allgather(row, name=_START_NAME, process_set=process_set).numpy()
+    values = list(values)
+    row = np.array([[_basics.rank(), len(values), weights_digest(values)]], np.int64)
+    rows = _host_collectives.allgather(row, _START_NAME, process_set)
     ranks, counts, digests = rows.T.tolist()
     if len(set(digests)) == 1:
         return

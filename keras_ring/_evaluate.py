@@ -5,7 +5,7 @@ import zlib
 import keras
 import numpy as np
 
-from keras_ring import _basics, _ops
+from keras_ring import _basics, _host_collectives
 from keras_ring._reduce_ops import Max, Sum
 
 
@@ -47,6 +47,9 @@ def evaluate(model, *args, return_dict=False, **kwargs):
     test = tf.data.Dataset.from_tensor_slices((x_test, y_test))
     results = kr.evaluate(model, test.apply(kr.shard_dataset).batch(64), return_dict=True,
                           verbose=kr.rank_zero_verbose(1))
+    # Without tf.data (any Keras backend): this rank's rows of NumPy arrays.
+    results = kr.evaluate(model, kr.shard_arrays(x_test), kr.shard_arrays(y_test),
+                          return_dict=True)
     ```
     """
     local = model.evaluate(*args, return_dict=True, **kwargs)
@@ -76,15 +79,15 @@ def sum_metric_states(model, name="keras_ring.metric_states"):
     described = "\n".join(f"{tuple(v.shape)} {v.dtype}" for v in variables)
     digest = zlib.crc32(described.encode())
     # Max of (d, -d) is the largest and the smallest digest: equal when every rank's is.
-    high, low = _ops.allreduce(np.array([digest, -digest], np.int64), op=Max,
-                               name=f"{name}.described").numpy()
+    high, low = _host_collectives.allreduce(np.array([digest, -digest], np.int64), Max,
+                                            f"{name}.described")
     if high != -low:
         raise ValueError(
             "keras-ring: the ranks' models have different metrics, so their states cannot be "
             "summed. Compile the same metrics on every rank."
         )
     values = [np.ravel(keras.ops.convert_to_numpy(v)).astype(np.float64) for v in variables]
-    sums = _ops.allreduce(np.concatenate([np.zeros(0), *values]), op=Sum, name=name).numpy()
+    sums = _host_collectives.allreduce(np.concatenate([np.zeros(0), *values]), Sum, name)
     offsets = np.cumsum([0] + [v.size for v in values])
     for variable, start, end in zip(variables, offsets[:-1], offsets[1:]):
         total = sums[start:end].reshape(variable.shape)

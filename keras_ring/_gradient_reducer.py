@@ -6,57 +6,24 @@ about KERAS_RING_BUCKET_BYTES, filled from the last variable backwards, the
 order in which backpropagation produces gradients: in a `tf.function` (as
 in `model.fit`) a bucket's collective starts as soon as its gradients exist,
 while the earlier layers' gradients are still being computed. Each group is
-named after its key (a bucket or group number) inside a name scope: in a
-`tf.function` the scope is made unique per use, so two optimizers or tapes
-in one step never share a collective's name, and every rank that traced the
-same function derives the same names.
+named after its key (a bucket or group number) under a prefix that the
+Keras backend makes unique per use in a traced step (TF: a name scope inside
+a `tf.function`; JAX: a count of reductions traced), so two optimizers or
+tapes in one step never share a collective's name, and every rank that
+traced the same step derives the same names. What differs per framework is
+in `keras_ring._keras_backend`.
 """
 
 import numbers
 import os
 
 import keras
-import tensorflow as tf
 
-from keras_ring import _ops
+from keras_ring import _keras_backend
 from keras_ring._compression import Compression
 from keras_ring._process_sets import ProcessSet, global_process_set
 from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
 from keras_ring._reduce_ops import Average, Sum, refuse_adasum
-
-
-def check_no_strategy(api):
-    """Raises if a `tf.distribute` strategy is active.
-
-    Args:
-        api: The public name of the caller, for the message.
-
-    Raises:
-        ValueError: If a strategy other than the default one is active.
-    """
-    if tf.distribute.has_strategy():
-        strategy = type(tf.distribute.get_strategy()).__name__
-        raise ValueError(
-            f"keras_ring.{api} cannot run under a tf.distribute strategy ({strategy} is "
-            "active): keras-ring replaces tf.distribute for data-parallel training. Create and "
-            "compile the model outside `strategy.scope()`, without a strategy, and start one "
-            "process per device with `keras-ring-run -np N python train.py`."
-        )
-
-
-def _check_not_xla(api):
-    # The collectives are AsyncOpKernels with no XLA lowering: caught here,
-    # while tracing, instead of as "No registered ... OpKernel for XLA" at
-    # the first step. `get_enclosing_xla_context` is TF's exported hook for
-    # libraries that must behave differently under XLA.
-    if tf.__internal__.get_enclosing_xla_context() is not None:
-        raise ValueError(
-            f"keras_ring.{api} cannot reduce gradients in a function compiled with XLA: "
-            "keras-ring's collectives have no XLA kernel yet. Compile the model with "
-            "`model.compile(..., jit_compile=False)` (the default, jit_compile='auto', turns "
-            "XLA on when a GPU is present), and decorate a custom training step with "
-            "`tf.function(jit_compile=False)`."
-        )
 
 
 def local_layer_list(local_layers):
@@ -137,6 +104,8 @@ class GradientReducer:
         scale_local_gradients: Whether the gradients of local sources (see
             `register_local_source`) are divided by the size of the process
             set, as Horovod does.
+        backend: The module of `keras_ring._keras_backend` to reduce with;
+            by default, that of the Keras backend in use.
 
     Raises:
         ValueError: If an argument is invalid.
@@ -156,6 +125,7 @@ class GradientReducer:
         num_groups=0,
         process_set=None,
         scale_local_gradients=True,
+        backend=None,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
@@ -230,6 +200,7 @@ class GradientReducer:
         # weights are read at each reduction, so that layers built later count.
         self._local_sources = {}
         self._local_layers = []
+        self._backend = backend
 
     def register_local_source(self, source):
         """Makes the gradient of `source` local: never reduced, only scaled.
@@ -308,8 +279,8 @@ class GradientReducer:
                 compilation, or if `groups` lists variables or sources are
                 registered as local, and `variables` is `None`.
         """
-        check_no_strategy(self._api)
-        _check_not_xla(self._api)
+        backend = self._backend or _keras_backend.current()
+        backend.check_step(self._api)
         given = list(grads)
         if not self._process_set.included():
             return given
@@ -317,25 +288,24 @@ class GradientReducer:
         # The gradients to reduce: None stands for local ones.
         grads = [None if i in local else g for i, g in enumerate(given)]
         if self._sparse_as_dense:
-            grads = [
-                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
-            ]
-        results = [self._scaled_local(given[i]) if i in local else g for i, g in enumerate(grads)]
+            grads = [None if g is None else backend.densify(g) for g in grads]
+        results = [self._scaled_local(given[i], backend) if i in local else g
+                   for i, g in enumerate(grads)]
         # Partitioned first: its checks apply with any number of ranks.
-        partition = self._partition(grads, variables)
+        partition = self._partition(grads, variables, backend)
         if self._is_identity():
             return results
-        with tf.name_scope(self.name):
+        with backend.group_names(self.name) as name_of:
             for key, indices in partition:
                 # Gathered rows (IndexedSlices) are not summed, so the
                 # collective does not compress them (Horovod does not either).
-                reduced = _ops._grouped_allreduce(
+                reduced = backend.grouped_allreduce(
                     [grads[i] for i in indices],
                     self._op,
                     self._compression,
                     self._prescale,
                     self._postscale,
-                    _ops._tensor_name(key, ignore_name_scope=False),
+                    name_of(key),
                     self._process_set,
                     self._device_dense,
                     self._device_sparse,
@@ -356,15 +326,13 @@ class GradientReducer:
             )
         return {i for i, v in enumerate(variables) if id(v) in ids}
 
-    def _scaled_local(self, grad):
+    def _scaled_local(self, grad, backend):
         # Horovod divides local gradients by the size, so that an optimizer
         # tuned for averaged gradients sees them at the same scale.
         size = self._process_set.size()
         if grad is None or not self._scale_local or size == 1:
             return grad
-        if isinstance(grad, tf.IndexedSlices):
-            return tf.IndexedSlices(grad.values / size, grad.indices, grad.dense_shape)
-        return grad / size
+        return backend.divide(grad, size)
 
     def _is_identity(self):
         # Alone in its set, a rank's average (or sum) is its own gradient:
@@ -377,7 +345,7 @@ class GradientReducer:
             and self._compression is Compression.none
         )
 
-    def _partition(self, tensors, variables):
+    def _partition(self, tensors, variables, backend):
         """Returns (name, indices) of each group of non-`None` tensors, in a fixed order."""
         present = [i for i, t in enumerate(tensors) if t is not None]
         if self._variable_groups is not None:
@@ -399,7 +367,7 @@ class GradientReducer:
             return list(by_dtype.items())
         buckets, current, filled = [], [], 0
         for i in reversed(present):
-            nbytes = _static_bytes(tensors[i])
+            nbytes = backend.static_bytes(tensors[i])
             if current and filled + nbytes > limit:
                 buckets.append(current)
                 current, filled = [], 0
@@ -425,10 +393,3 @@ class GradientReducer:
                 partition.append((f"group{k}", indices))
         partition.extend((f"grad{i}", [i]) for i in sorted(position.values()))
         return partition
-
-
-def _static_bytes(tensor):
-    """Bytes of a tensor's values as far as the graph knows (rows of IndexedSlices unknown: 0)."""
-    values = tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
-    elements = values.shape.num_elements()
-    return (elements or 0) * values.dtype.size

@@ -6,7 +6,8 @@
 import tensorflow as tf
 
 from keras_ring._compression import Compression
-from keras_ring._gradient_reducer import GradientReducer, check_no_strategy, local_layer_list
+from keras_ring._gradient_reducer import GradientReducer, local_layer_list
+from keras_ring._keras_backend import _tensorflow as _tf_backend
 from keras_ring._reduce_ops import Average
 
 
@@ -81,7 +82,7 @@ class DistributedGradientTape:
                 "keras_ring.DistributedGradientTape wraps a tf.GradientTape. "
                 f"Received: gradtape={gradtape!r}"
             )
-        check_no_strategy("DistributedGradientTape")
+        _tf_backend.check_no_strategy("DistributedGradientTape")
         self._tape = gradtape
         self._reducer = GradientReducer(
             name="DistributedGradientTape",
@@ -96,6 +97,8 @@ class DistributedGradientTape:
             num_groups=num_groups,
             process_set=process_set,
             scale_local_gradients=scale_local_gradients,
+            # A tf.GradientTape's gradients are TensorFlow's under any Keras backend.
+            backend=_tf_backend,
         )
 
     def register_local_source(self, source):

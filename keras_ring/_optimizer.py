@@ -15,74 +15,11 @@ import importlib
 import numbers
 
 import keras
-import tensorflow as tf
 
-from keras_ring import _divergence
+from keras_ring import _divergence, _keras_backend
 from keras_ring._compression import Compression
-from keras_ring._gradient_reducer import GradientReducer, check_no_strategy, local_layer_list
+from keras_ring._gradient_reducer import GradientReducer, local_layer_list
 from keras_ring._reduce_ops import Average
-
-
-class _PassAccumulator:
-    """Sums gradients over `passes` backward passes, for `backward_passes_per_step`.
-
-    Its TensorFlow variables are kept from Keras's tracking on purpose: they
-    are not optimizer state (they are zero after every update), so they stay
-    out of `optimizer.variables`, saved models and the variable count that
-    checkpoints and state broadcasts rely on.
-    """
-
-    def __init__(self, passes, average):
-        self.passes = passes
-        self.average = average
-        self._count = None
-        self._sums = {}
-
-    def _variable(self, shape, dtype):
-        # Lifted out of any function being traced, like Keras's own slots.
-        with tf.init_scope():
-            return tf.Variable(tf.zeros(shape, dtype), trainable=False)
-
-    def add(self, grads, variables):
-        """Adds this pass's gradients to the sums; returns the sum variables (or `None`)."""
-        if self._count is None:
-            self._count = self._variable([], tf.int64)
-        sums = []
-        for g, v in zip(grads, variables):
-            if g is None:
-                sums.append(None)
-                continue
-            if id(v) not in self._sums:
-                # Holds `v` too, so that its id cannot be reused.
-                self._sums[id(v)] = (v, self._variable(v.shape, g.dtype))
-            total = self._sums[id(v)][1]
-            if isinstance(g, tf.IndexedSlices):
-                # Adds the rows in place: converting the slices to a dense
-                # tensor needs a dense shape that is unknown while tracing.
-                total.scatter_add(g)
-            else:
-                total.assign_add(g)
-            sums.append(total)
-        return sums
-
-    def is_last_pass(self):
-        return tf.equal(self._count, self.passes - 1)
-
-    def totals(self, sums):
-        """Reads the sums (divided by `passes` if averaging) and zeroes them."""
-        totals = []
-        for total in sums:
-            if total is None:
-                totals.append(None)
-                continue
-            value = total.read_value()
-            totals.append(value / self.passes if self.average else value)
-            total.assign(tf.zeros_like(total))
-        self._count.assign(0)
-        return totals
-
-    def next_pass(self):
-        self._count.assign_add(1)
 
 
 class _Distribution:
@@ -98,12 +35,8 @@ class _Distribution:
         self.after_build = []
         # Whether the ranks' weights were found the same before the first update.
         self.start_checked = False
-
-
-def _initialized(variables):
-    """Whether the variables (Keras's, or TensorFlow's) hold their values. Eager only."""
-    tf_variables = (v.value if isinstance(v, keras.Variable) else v for v in variables)
-    return all(bool(v.is_initialized()) for v in tf_variables)
+        # Set while `stateless_apply` hands gradients it reduced to Keras's.
+        self.reduced = False
 
 
 class _DistributedOptimizerMixin:
@@ -133,29 +66,25 @@ class _DistributedOptimizerMixin:
     def _call_after_build(self):
         """Runs the `after_build` calls, eagerly, once the variables hold their values.
 
-        Keras builds the optimizer of a model built lazily while `tf.function`
-        traces the first train step, after the forward pass has made the
-        model's variables. Those, and the optimizer's own, hold their initial
-        values only once TF has run their initializers, after that trace; TF
-        then traces the step again and runs it. So the calls run in the second
-        trace's `apply`: after the variables have their values and before the
-        step computes anything.
+        When that is depends on the backend (`_keras_backend`'s `when_ready`):
+        under TF, a model built lazily gets its optimizer built while the
+        first train step is traced, and its variables' values only after.
         """
         state = self._keras_ring
         if not state.after_build or not self.built:
             return
-        with tf.init_scope():
-            ready = state.variables + list(self.variables)
-            if not _initialized(ready):
-                return
+
+        def call_them():
             calls, state.after_build = state.after_build, []
             for call in calls:
                 call()
 
+        _keras_backend.current().when_ready(state.variables + list(self.variables), call_them)
+
     def _check_same_start(self, variables):
         """Checks, once, that the ranks update the same weights (`_divergence.check_same_start`).
 
-        In a traced step it runs eagerly while TF traces the update, as
+        In a traced step it runs eagerly while the step is traced, as
         `_call_after_build` does, once the variables hold their values and
         after the broadcast `BroadcastGlobalVariablesCallback` left to the
         optimizer's build (a model built lazily): then the update it checks
@@ -168,17 +97,41 @@ class _DistributedOptimizerMixin:
         if (state.start_checked or state.after_build or variables is None
                 or not process_set.included()):
             return
-        with tf.init_scope():
-            if not _initialized(list(variables) + list(self.variables)):
-                return
+        local = state.reducer.local_ids()
+        mine = [v for v in variables if id(v) not in local]
+        ready = list(variables) + list(self.variables)
+        if _keras_backend.current().at_first_update(
+                mine, ready, lambda values: _divergence.check_same_start(values, process_set),
+                self.iterations):
             state.start_checked = True
-            local = state.reducer.local_ids()
-            _divergence.check_same_start([v for v in variables if id(v) not in local],
-                                         process_set)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """Keras's JAX trainer updates through here: the gradients are reduced first.
+
+        Keras's own `stateless_apply` may look at the gradients before any
+        `apply` (a `LossScaleOptimizer`'s checks that they are finite): they
+        must be the reduced ones, so that every rank skips the same steps.
+        The reduction (and the checks before it) reads the variables as the
+        step's values, in a `keras.StatelessScope` of them.
+        """
+        state = self._keras_ring
+        values = list(zip(state.variables or (), trainable_variables))
+        values += list(zip(self.variables, optimizer_variables))
+        with keras.StatelessScope(state_mapping=values):
+            self._call_after_build()
+            self._check_same_start(state.variables)
+            grads = state.reducer.reduce(list(grads), state.variables)
+        state.reduced = True
+        try:
+            return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+        finally:
+            state.reduced = False
 
     def apply(self, grads, trainable_variables=None):
-        self._call_after_build()
         state = self._keras_ring
+        if state.reduced:
+            return super().apply(grads, trainable_variables)
+        self._call_after_build()
         grads = list(grads)
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
@@ -209,9 +162,7 @@ class _DistributedOptimizerMixin:
             # counts the last one.
             self.iterations.assign_add(1)
 
-        # Every rank runs the same number of passes, so all take the same
-        # branch: the collective inside runs on all ranks or on none.
-        tf.cond(state.accumulator.is_last_pass(), reduce_and_apply, accumulate_only)
+        state.accumulator.branch(reduce_and_apply, accumulate_only)
 
 
 @functools.cache
@@ -394,7 +345,8 @@ def DistributedOptimizer(
     ```
     """
     _check_optimizer(optimizer)
-    check_no_strategy("DistributedOptimizer")
+    backend = _keras_backend.current()
+    backend.check_step("DistributedOptimizer")
     if (
         not isinstance(backward_passes_per_step, numbers.Integral)
         or isinstance(backward_passes_per_step, bool)
@@ -433,7 +385,8 @@ def DistributedOptimizer(
     )
     accumulator = None
     if backward_passes_per_step > 1:
-        accumulator = _PassAccumulator(int(backward_passes_per_step), average_aggregated_gradients)
+        accumulator = backend.pass_accumulator(int(backward_passes_per_step),
+                                               average_aggregated_gradients)
     if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer
     ):
@@ -558,7 +511,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     model.fit(x, y, epochs=10, initial_epoch=3)
     ```
     """
-    check_no_strategy("load_model")
+    _keras_backend.current().check_step("load_model")
     # Registers keras-ring's own layers with Keras, which a saved model may name.
     importlib.import_module("keras_ring._sync_batch_norm")
     # Keras saves a registered class under its registered name, `package>Name`.

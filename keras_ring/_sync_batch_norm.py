@@ -3,10 +3,9 @@
 import inspect
 
 import keras
-import tensorflow as tf
 from keras import ops
 
-from keras_ring import _basics, _ops
+from keras_ring import _basics, _keras_backend
 
 _BatchNormalization = keras.layers.BatchNormalization
 
@@ -34,30 +33,25 @@ def _local_moments(inputs, mask, axes):
     nothing. A batch of no rows gives count 0, mean 0 and sum 0.
     """
     if mask is None:
-        count = tf.reduce_prod(tf.gather(tf.shape(inputs, out_type=tf.int64), axes))
-        count = tf.cast(count, inputs.dtype)
-        total = tf.reduce_sum(inputs, axis=axes)
-        mean = tf.math.divide_no_nan(total, count)
-        count = tf.fill(tf.shape(mean), count)
-        # As tf.nn.moments: the mean's gradient through the deviations is 0.
-        deviations = inputs - tf.stop_gradient(_keep_dims(mean, inputs, axes))
-        squares = tf.reduce_sum(tf.square(deviations), axis=axes)
-        return count, mean, squares
-    weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
-    weights = ops.cast(ops.cast(weights, "bool"), inputs.dtype)
-    count = tf.reduce_sum(weights, axis=axes)
-    mean = tf.math.divide_no_nan(tf.reduce_sum(inputs * weights, axis=axes), count)
-    deviations = (inputs - tf.stop_gradient(_keep_dims(mean, inputs, axes))) * weights
-    squares = tf.reduce_sum(tf.square(deviations), axis=axes)
+        weights = ops.ones_like(inputs)
+    else:
+        weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
+        weights = ops.cast(ops.cast(weights, "bool"), inputs.dtype)
+    count = ops.sum(weights, axis=axes)
+    mean = ops.divide_no_nan(ops.sum(inputs * weights, axis=axes), count)
+    # As tf.nn.moments: the mean's gradient through the deviations is 0.
+    deviations = (inputs - ops.stop_gradient(_keep_dims(mean, inputs, axes))) * weights
+    squares = ops.sum(ops.square(deviations), axis=axes)
     return count, mean, squares
 
 
 def _keep_dims(channels, inputs, axes):
     """A per-channel vector shaped to broadcast against `inputs`."""
-    shape = [1] * inputs.shape.rank
-    (channel_axis,) = sorted(set(range(inputs.shape.rank)) - set(axes))
+    rank = len(inputs.shape)
+    shape = [1] * rank
+    (channel_axis,) = sorted(set(range(rank)) - set(axes))
     shape[channel_axis] = -1
-    return tf.reshape(channels, shape)
+    return ops.reshape(channels, shape)
 
 
 @keras.saving.register_keras_serializable(package="keras_ring")
@@ -217,15 +211,16 @@ class SyncBatchNormalization(_BatchNormalization):
         count, mean, squares = _local_moments(inputs, mask, axes)
         # One row per rank (a rank that joined sends none): count, mean and
         # squared deviations of each channel.
-        gathered = _ops.allgather(tf.stack([count, mean, squares])[tf.newaxis])
+        rows = ops.expand_dims(ops.stack([count, mean, squares]), 0)
+        gathered = _keras_backend.current().allgather(rows)
         counts, means, squares = gathered[:, 0], gathered[:, 1], gathered[:, 2]
-        total = tf.reduce_sum(counts, axis=0)
-        global_mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, axis=0), total)
+        total = ops.sum(counts, axis=0)
+        global_mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), total)
         # Chan et al.: the squared deviations from the global mean are each
         # rank's own plus its count times its mean's squared distance to it.
-        squares = tf.reduce_sum(squares + counts * tf.square(means - global_mean), axis=0)
+        squares = ops.sum(squares + counts * ops.square(means - global_mean), axis=0)
         if mask is None:
-            return global_mean, tf.math.divide_no_nan(squares, total)
+            return global_mean, ops.divide_no_nan(squares, total)
         # Keras divides masked sums by the weights plus its epsilon.
         divisor = total + keras.config.epsilon()
         return global_mean * (total / divisor), squares / divisor

@@ -1,4 +1,4 @@
-"""keras_ring.jax: its collectives across ranks, its build, and what it refuses."""
+"""keras_ring.jax: its collectives across ranks, its build, what it refuses; Keras on JAX alone."""
 
 import os
 import pathlib
@@ -72,3 +72,14 @@ def test_a_jax_runtime_error_of_a_lost_worker_is_recognised():
     assert isinstance(lost, _errors.WorkerLostError)
     assert str(lost) == "keras-ring: rank 1 died during allreduce of 'x'"
     assert _errors.worker_lost(jax.errors.JaxRuntimeError("INTERNAL: something else")) is None
+
+
+FIT_WORKER = pathlib.Path(__file__).parent / "workers" / "jax_fit_worker.py"
+
+
+@pytest.mark.multirank
+def test_a_keras_job_on_jax_never_imports_tensorflow(run_ranks):
+    result = run_ranks(2, FIT_WORKER, timeout=300)
+    for rank in range(2):
+        assert f"jax_fit_worker: rank {rank} finished" in result.stdout, result.stdout[-3000:]
+    assert "tensorflow imported: False" in result.stdout

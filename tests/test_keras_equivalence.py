@@ -1,6 +1,7 @@
 """The decisive test of the Keras layer: N ranks at batch b train as 1 rank at batch N*b.
 
-The checks and their tolerances are in tests/workers/keras_equivalence_worker.py.
+The checks and their tolerances are in tests/workers/keras_equivalence_worker.py;
+it runs under each Keras backend keras-ring supports.
 """
 
 import pathlib
@@ -14,10 +15,11 @@ SUITES = ["core", "options", "lazy"]
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 @pytest.mark.parametrize("np", [2, 3])
-def test_keras_equivalence(run_ranks, np):
-    # One job runs every suite: the ranks start TensorFlow once.
-    result = run_ranks(np, WORKER, *SUITES, timeout=600)
+def test_keras_equivalence(run_ranks, np, backend):
+    # One job runs every suite: the ranks start the framework once.
+    result = run_ranks(np, WORKER, *SUITES, timeout=600, env={"KERAS_BACKEND": backend})
     for suite in SUITES:
         assert f"keras_equivalence_worker: {suite} passed on {np} ranks" in result.stdout, (
             result.stdout)

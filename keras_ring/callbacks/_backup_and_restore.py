@@ -3,15 +3,13 @@
 import json
 import os
 
-import tensorflow as tf
-
-from keras_ring import _basics, _objects, _ops
+from keras_ring import _basics, _files, _host_collectives, _objects
 from keras_ring.callbacks import _sync
 from keras_ring.elastic import _run as _elastic_run
 
 _NAME = "keras_ring.callbacks.backup_and_restore"
-# Files go through tf.io.gfile, public API for local and remote paths alike;
-# Keras's callback uses its private keras.src.utils.file_utils, which wraps it.
+# Files go through keras_ring._files: local paths without TensorFlow, remote
+# ones through tf.io.gfile, as Keras's private keras.src.utils.file_utils does.
 
 
 def _unbuilt_message(model):
@@ -251,13 +249,12 @@ class BackupAndRestore(_sync.SyncedCallback):
             self._prev_weights_path,
             self._prev_training_metadata_path,
         )
-        if not any(tf.io.gfile.exists(path) for path in backup):
+        if not any(_files.exists(path) for path in backup):
             return ("none",)
         for path in (self._training_metadata_path, self._prev_training_metadata_path):
             try:
-                with tf.io.gfile.GFile(path, "r") as f:
-                    config = json.loads(f.read()).get("build_config")
-            except (OSError, ValueError, AttributeError, tf.errors.OpError):
+                config = json.loads(_files.read_text(path)).get("build_config")
+            except (OSError, ValueError, AttributeError):
                 continue
             if config:
                 return ("build", config)
@@ -269,20 +266,18 @@ class BackupAndRestore(_sync.SyncedCallback):
             return self._load_model()
         except OSError:
             # Weights may be corrupted. Trying to load previous one.
-            if not tf.io.gfile.exists(self._prev_weights_path):
+            if not _files.exists(self._prev_weights_path):
                 raise
-            tf.io.gfile.copy(self._prev_weights_path, self._weights_path, overwrite=True)
-            if tf.io.gfile.exists(self._prev_training_metadata_path):
-                tf.io.gfile.copy(
-                    self._prev_training_metadata_path, self._training_metadata_path, overwrite=True
-                )
-            elif tf.io.gfile.exists(self._training_metadata_path):
-                tf.io.gfile.remove(self._training_metadata_path)
+            _files.copy(self._prev_weights_path, self._weights_path)
+            if _files.exists(self._prev_training_metadata_path):
+                _files.copy(self._prev_training_metadata_path, self._training_metadata_path)
+            elif _files.exists(self._training_metadata_path):
+                _files.remove(self._training_metadata_path)
             return self._load_model()
 
     def _load_model(self):
         loaded = False
-        if tf.io.gfile.exists(self._weights_path):
+        if _files.exists(self._weights_path):
             optimizer = self.model.optimizer
             if optimizer is not None and not optimizer.built:
                 # Make sure optimizer weights exist before loading.
@@ -290,9 +285,8 @@ class BackupAndRestore(_sync.SyncedCallback):
             self.model.load_weights(self._weights_path)
             loaded = True
         epoch = None
-        if tf.io.gfile.exists(self._training_metadata_path):
-            with tf.io.gfile.GFile(self._training_metadata_path, "r") as f:
-                epoch = json.loads(f.read())["epoch"]
+        if _files.exists(self._training_metadata_path):
+            epoch = json.loads(_files.read_text(self._training_metadata_path))["epoch"]
         return loaded, epoch
 
     def _broadcast_state(self):
@@ -315,15 +309,15 @@ class BackupAndRestore(_sync.SyncedCallback):
                 f"0's restored state cannot be given to every rank (variables per rank: "
                 f"{counts}). Build the same model and the same optimizer on every rank."
             )
-        _ops.broadcast_variables(variables, 0, name=_NAME)
+        _host_collectives.broadcast_variables(variables, 0, _NAME)
 
     def on_train_end(self, logs=None):
         super().on_train_end(logs)
         if self._resumed:
             self.model._initial_epoch = None  # see on_train_begin
             self._resumed = False
-        if _basics.rank() == 0 and self.delete_checkpoint and tf.io.gfile.exists(self.backup_dir):
-            tf.io.gfile.rmtree(self.backup_dir)
+        if _basics.rank() == 0 and self.delete_checkpoint and _files.exists(self.backup_dir):
+            _files.rmtree(self.backup_dir)
 
     # Backing up: Keras's schedule on every rank, the files on rank 0.
 
@@ -372,21 +366,18 @@ class BackupAndRestore(_sync.SyncedCallback):
     def _save_model(self):
         if _basics.rank() != 0:
             return
-        if not tf.io.gfile.exists(self.backup_dir):
-            tf.io.gfile.makedirs(self.backup_dir)
-        if self.double_checkpoint and tf.io.gfile.exists(self._weights_path):
-            tf.io.gfile.copy(self._weights_path, self._prev_weights_path, overwrite=True)
-        if self.double_checkpoint and tf.io.gfile.exists(self._training_metadata_path):
-            tf.io.gfile.copy(
-                self._training_metadata_path, self._prev_training_metadata_path, overwrite=True
-            )
+        if not _files.exists(self.backup_dir):
+            _files.makedirs(self.backup_dir)
+        if self.double_checkpoint and _files.exists(self._weights_path):
+            _files.copy(self._weights_path, self._prev_weights_path)
+        if self.double_checkpoint and _files.exists(self._training_metadata_path):
+            _files.copy(self._training_metadata_path, self._prev_training_metadata_path)
         self.model.save_weights(filepath=self._weights_path, overwrite=True)
         training_metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen}
         build_config = self._build_config()
         if build_config is not None:
             training_metadata["build_config"] = build_config
-        with tf.io.gfile.GFile(self._training_metadata_path, "w") as f:
-            f.write(json.dumps(training_metadata))
+        _files.write_text(self._training_metadata_path, json.dumps(training_metadata))
 
     def _build_config(self):
         """The model's build config as JSON data, or None (a lazily built model needs it)."""

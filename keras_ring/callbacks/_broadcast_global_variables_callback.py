@@ -1,9 +1,10 @@
 """BroadcastGlobalVariablesCallback: one starting state for every rank."""
 
-import keras
-import tensorflow as tf
+import sys
 
-from keras_ring import _basics, _ops, _optimizer
+import keras
+
+from keras_ring import _basics, _host_collectives, _optimizer
 from keras_ring.callbacks import _sync
 from keras_ring.callbacks._validation import check_integer
 
@@ -46,8 +47,8 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
 
     Args:
         root_rank: The rank whose state every rank receives.
-        device: The device on which to broadcast; by default TensorFlow's
-            choice.
+        device: Horovod's argument, kept for its scripts: the broadcast
+            runs in host memory under every Keras backend.
         local_variables: A model variable (`keras.Variable` or
             `tf.Variable`) or a list of them, not broadcast: each rank keeps
             its own. They may differ between ranks in shape too.
@@ -138,8 +139,8 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
     def _broadcast(self, point):
         variables = self._variables()
         self._check_same_variables(point, variables)
-        with tf.device(self.device):
-            _ops.broadcast_variables(variables, self.root_rank)
+        _host_collectives.broadcast_variables(variables, self.root_rank,
+                                              "keras_ring.broadcast_global_variables")
 
     def _variables(self):
         optimizer = self.model.optimizer
@@ -174,4 +175,5 @@ class BroadcastGlobalVariablesCallback(_sync.SyncedCallback):
 
 
 def _is_variable(value):
-    return isinstance(value, (keras.Variable, tf.Variable))
+    tf = sys.modules.get("tensorflow")
+    return isinstance(value, keras.Variable) or (tf is not None and isinstance(value, tf.Variable))

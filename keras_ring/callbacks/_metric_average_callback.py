@@ -3,9 +3,9 @@
 import numbers
 
 import numpy as np
-import tensorflow as tf
 
-from keras_ring import _basics, _evaluate, _log, _ops
+from keras_ring import _basics, _evaluate, _host_collectives, _log
+from keras_ring._reduce_ops import Average
 from keras_ring.callbacks import _sync
 
 
@@ -52,7 +52,8 @@ class MetricAverageCallback(_sync.SyncedCallback):
     (see `keras_ring.callbacks`).
 
     Args:
-        device: The device on which to reduce; by default TensorFlow's choice.
+        device: Horovod's argument, kept for its scripts: the averages are
+            computed in host memory under every Keras backend.
 
     Raises:
         RuntimeError: At the end of an epoch or of evaluating, on every rank,
@@ -117,8 +118,7 @@ class MetricAverageCallback(_sync.SyncedCallback):
         if not (low[0] and high[0]):
             self._average(_sync.TEST_END, logs)
             return
-        with tf.device(self.device):
-            results = _evaluate.sum_metric_states(self.model)
+        results = _evaluate.sum_metric_states(self.model)
         logs.update(results)  # for the callbacks after this one
         if self._in_fit:
             self._validation = results
@@ -129,8 +129,7 @@ class MetricAverageCallback(_sync.SyncedCallback):
         if not keys:
             return
         values = np.array([logs[k] for k in keys], np.float64)
-        with tf.device(self.device):
-            averaged = _ops.allreduce(values, name="keras_ring.metric_average").numpy()
+        averaged = _host_collectives.allreduce(values, Average, "keras_ring.metric_average")
         logs.update(zip(keys, averaged.tolist()))
 
     def _check_same_keys(self, point, keys):

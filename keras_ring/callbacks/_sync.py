@@ -36,7 +36,7 @@ import zlib
 import keras
 import numpy as np
 
-from keras_ring import _basics, _divergence, _log, _objects, _ops, _optimizer
+from keras_ring import _basics, _divergence, _host_collectives, _log, _objects, _optimizer
 
 # Points in `fit`.
 TRAIN_BEGIN, BATCH_BEGIN, BATCH_END, EPOCH_END, TRAIN_END, TEST_END, LOOP_END = range(1, 8)
@@ -113,7 +113,7 @@ def exchange_rows(point, epoch, step, kind, values=()):
     mine = np.zeros(_RANK + _POSITION + _VALUES, np.int64)
     mine[: _RANK + _POSITION] = (_basics.rank(), point, epoch, step, kind)
     mine[_RANK + _POSITION : _RANK + _POSITION + len(values)] = values
-    rows = mine[None] if _basics.size() == 1 else _ops.allgather(mine[None], name=_NAME).numpy()
+    rows = mine[None] if _basics.size() == 1 else _host_collectives.allgather(mine[None], _NAME)
     position = rows[:, _RANK : _RANK + _POSITION]
     if (position != position[0]).any():
         raise RuntimeError(_out_of_step_message(rows))
@@ -123,14 +123,14 @@ def exchange_rows(point, epoch, step, kind, values=()):
 def gather(values):
     """Returns every rank's integer `values`, one row per rank. Collective."""
     row = np.asarray(values, np.int64).reshape(1, -1)
-    return _ops.allgather(row, name=f"{_NAME}.gather").numpy()
+    return _host_collectives.allgather(row, f"{_NAME}.gather")
 
 
 def gather_text(text):
     """Returns every rank's `text`, a list indexed by rank. Collective."""
     data = np.frombuffer(text.encode(), np.uint8)
     lengths = gather([data.size])[:, 0]
-    joined = _ops.allgather(data, name=f"{_NAME}.text").numpy().tobytes()
+    joined = _host_collectives.allgather(data, f"{_NAME}.text").tobytes()
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     return [joined[a:b].decode() for a, b in zip(offsets[:-1], offsets[1:])]
 
@@ -342,7 +342,8 @@ class _StepGuard:
         optimizer = model.optimizer
         if not optimizer.built:
             optimizer.build(model.trainable_weights)
-        _ops.broadcast_variables(list(model.weights) + list(optimizer.variables), root)
+        _host_collectives.broadcast_variables(list(model.weights) + list(optimizer.variables), root,
+                                             f"{_NAME}.uneven_steps")
 
     def epoch_end(self, epoch, model):
         self._end_loop(model)

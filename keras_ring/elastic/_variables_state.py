@@ -5,7 +5,7 @@ import zlib
 import keras
 import numpy as np
 
-from keras_ring import _basics, _objects
+from keras_ring import _host_collectives, _objects
 from keras_ring.elastic._object_state import ObjectState
 
 
@@ -71,22 +71,9 @@ class VariablesState(ObjectState):
         variables = self._variables()
         values = self._read_variables()
         self._check_same_variables(values)
-        # One broadcast per dtype, of every variable of that dtype end to end.
-        by_dtype = {}
-        for i, value in enumerate(values):
-            by_dtype.setdefault(value.dtype.name, []).append(i)
-        engine = _basics._engine()
-        received = engine.run(
-            engine.BROADCAST,
-            [np.concatenate([values[i].ravel() for i in indices]) for indices in by_dtype.values()],
-            [f"keras_ring.elastic.sync.{dtype}" for dtype in by_dtype],
-            root_rank=0,
-        )
-        for indices, buffer in zip(by_dtype.values(), received):
-            offset = 0
-            for i in indices:
-                variables[i].assign(buffer[offset:offset + values[i].size].reshape(values[i].shape))
-                offset += values[i].size
+        received = _host_collectives.broadcast_values(values, 0, "keras_ring.elastic.sync")
+        for variable, value in zip(variables, received):
+            variable.assign(value)
         super().sync()
         self._saved_variables = self._read_variables()
 

@@ -2,6 +2,7 @@
 
 Run with 2 or 3 ranks, under the test launcher or plainly, naming the suites
 to run in one job: `mpiexec -n 3 python tests/workers/keras_equivalence_worker.py core lazy`.
+It runs under the Keras backend that KERAS_BACKEND names (tensorflow or jax).
 
 Every rank builds the same model from the same seed and generates the same
 global data; rank r trains on rows [r*b, (r+1)*b) of each global batch of
@@ -9,13 +10,14 @@ N*b rows, and compares its weights after STEPS steps with a single-rank
 reference that it computes itself with plain Keras on the whole batches.
 
 Suites:
-    core: a dense model and one with an Embedding (sparse gradients, and
-        sparse_as_dense), with SGD and Adam, through `model.fit` with
-        `DistributedOptimizer` and through a custom loop with
-        `DistributedGradientTape`.
-    options: backward_passes_per_step, compression, op=Sum,
-        gradient_predivide_factor, groups, and mixed_float16 with one rank's
-        gradients non-finite for a step.
+    core: a dense model and one with an Embedding (under TF sparse
+        gradients, and sparse_as_dense), with SGD with momentum and Adam,
+        through `model.fit` with `DistributedOptimizer` and through a custom
+        loop (TF: `DistributedGradientTape`; JAX: a `jax.jit` step with
+        `keras_ring.jax`), on ranks that start from different weights.
+    options: backward_passes_per_step (TF), compression, op=Sum,
+        gradient_predivide_factor, groups, steps_per_execution, and
+        mixed_float16 with one rank's gradients non-finite for a step.
     lazy: models built lazily (a Sequential without an Input, a subclassed
         model), initialised differently on each rank, with
         BroadcastGlobalVariablesCallback.
@@ -33,12 +35,19 @@ import time
 import traceback
 
 import numpy as np
-import tensorflow as tf
 
-# Up to 3 ranks share 2 cores.
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(2)
-tf.get_logger().setLevel("ERROR")
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    # Up to 3 ranks share 2 cores.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.get_logger().setLevel("ERROR")
+else:
+    import jax
+
+    import keras_ring.jax as krj
 
 import keras  # noqa: E402
 
@@ -64,6 +73,8 @@ POISON_STEP, POISON_VALUE = 2, 1e5
 
 RANK = SIZE = None
 failures = []
+# Keras's defaults: XLA under JAX; TF's collectives have no XLA kernel.
+JIT = BACKEND == "jax"
 
 
 class TwoDense(keras.Model):
@@ -143,13 +154,13 @@ def skip_passes(optimizer, passes):
 def reference_fit(kind, optimizer, passes=1, data=None):
     """Plain Keras on one rank: `model.fit` at batch SIZE * BATCH * passes."""
     model = build_model(kind)
-    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=JIT)
     x, y = global_data(kind, passes) if data is None else data
     passed = keras.callbacks.LambdaCallback(
         on_train_batch_begin=lambda batch, logs: skip_passes(optimizer, passes)
     )
     model.fit(x, y, batch_size=SIZE * BATCH * passes, shuffle=False, verbose=0,
-              callbacks=[passed])
+              callbacks=[passed] if passes > 1 else [])
     return model
 
 
@@ -175,14 +186,53 @@ def reference_dense_gradients(kind, optimizer, passes=1):
     return model
 
 
-def distributed_fit(kind, optimizer, passes=1, data=None, seed=SEED, callbacks=(), **options):
+def distributed_fit(kind, optimizer, passes=1, data=None, seed=SEED, callbacks=(),
+                    steps_per_execution=1, **options):
     """`model.fit` on this rank's rows with a DistributedOptimizer, at batch BATCH."""
     model = build_model(kind, seed)
     optimizer = kr.DistributedOptimizer(optimizer, backward_passes_per_step=passes, **options)
-    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=JIT,
+                  steps_per_execution=steps_per_execution)
     x, y = global_data(kind, passes) if data is None else data
     model.fit(rank_rows(x), rank_rows(y), batch_size=BATCH, shuffle=False, verbose=0,
               callbacks=list(callbacks))
+    return model
+
+
+def distributed_jax_loop(kind, optimizer, seed=SEED):
+    """A `jax.jit` step of this rank's rows at batch BATCH: `keras_ring.jax` reduces the grads.
+
+    The ranks start from different weights (`seed + RANK`); the step begins
+    with rank 0's, given by `broadcast_parameters`.
+    """
+    model = build_model(kind, seed + RANK)
+    optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.MeanSquaredError()
+    state = krj.broadcast_parameters(
+        ([v.value for v in model.trainable_variables],
+         [v.value for v in model.non_trainable_variables],
+         [v.value for v in optimizer.variables]), root_rank=0)
+
+    @jax.jit
+    def step(state, x, y):
+        trainable, non_trainable, optimizer_variables = state
+
+        def loss(trainable):
+            predictions, updated = model.stateless_call(trainable, non_trainable, x,
+                                                        training=True)
+            return loss_fn(y, predictions), updated
+
+        grads, non_trainable = jax.grad(loss, has_aux=True)(trainable)
+        grads = krj.allreduce_gradients(grads)
+        trainable, optimizer_variables = optimizer.stateless_apply(optimizer_variables, grads,
+                                                                   trainable)
+        return trainable, non_trainable, optimizer_variables
+
+    x, y = (rank_rows(a) for a in global_data(kind))
+    for i in range(STEPS):
+        state = step(state, x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+    for variable, value in zip(model.trainable_variables, state[0]):
+        variable.assign(value)
     return model
 
 
@@ -219,13 +269,13 @@ def check_weights(what, model, reference, rtol=RTOL, atol=ATOL):
 
 def check_same_on_all_ranks(what, model):
     flat = np.concatenate([w.ravel() for w in model.get_weights()])
-    gathered = kr.allgather(tf.constant(flat[None, :])).numpy()
-    if not (gathered == gathered[0]).all():
+    gathered = kr.allgather_object(flat)
+    if not all(np.array_equal(g, gathered[0]) for g in gathered):
         failures.append(f"rank {RANK}: {what}: ranks hold different weights")
 
 
 def sgd(lr=0.1):
-    return keras.optimizers.SGD(lr)
+    return keras.optimizers.SGD(lr, momentum=0.9)
 
 
 def adam():
@@ -233,11 +283,20 @@ def adam():
 
 
 def check_core():
+    broadcast = [kr.callbacks.BroadcastGlobalVariablesCallback(0)]
     for kind in ("dense", "embedding"):
         for name, make in (("SGD", sgd), ("Adam", adam)):
             reference = reference_fit(kind, make())
             check_weights(f"{kind} {name} fit", distributed_fit(kind, make()), reference)
-            check_weights(f"{kind} {name} tape", distributed_tape(kind, make()), reference)
+            different = distributed_fit(kind, make(), seed=SEED + RANK, callbacks=broadcast)
+            check_weights(f"{kind} {name} fit from different weights", different, reference)
+            if BACKEND == "jax":
+                check_weights(f"{kind} {name} jax.jit loop", distributed_jax_loop(kind, make()),
+                              reference)
+            else:
+                check_weights(f"{kind} {name} tape", distributed_tape(kind, make()), reference)
+    if BACKEND == "jax":
+        return  # JAX's gradients are dense: sparse_as_dense changes nothing
     for name, make in (("SGD", sgd), ("Adam", adam)):
         reference = reference_dense_gradients("embedding", make())
         for run, distributed in (("fit", distributed_fit), ("tape", distributed_tape)):
@@ -249,6 +308,43 @@ def check_core():
 
 
 def check_options():
+    reference = reference_fit("dense", sgd())
+    check_weights("dense SGD steps_per_execution=2",
+                  distributed_fit("dense", sgd(), steps_per_execution=2), reference)
+    if BACKEND == "tensorflow":
+        check_passes()
+    check_weights(
+        "dense SGD op=Sum", distributed_fit("dense", sgd(0.1 / SIZE), op=kr.Sum), reference
+    )
+    check_weights(
+        "dense SGD gradient_predivide_factor",
+        distributed_fit("dense", sgd(), gradient_predivide_factor=float(SIZE)),
+        reference,
+    )
+    check_weights(
+        "dense SGD num_groups=3", distributed_fit("dense", sgd(), num_groups=3), reference
+    )
+    if BACKEND == "tensorflow":
+        check_weights(
+            "dense SGD groups=[kernels] tape",
+            distributed_tape("dense", sgd(), groups_of=lambda m: [m.trainable_variables[::2]]),
+            reference,
+        )
+    fp16 = distributed_fit("dense", sgd(), compression=kr.Compression.fp16)
+    check_weights("dense SGD fp16", fp16, reference, rtol=FP16_TOL, atol=FP16_TOL)
+    bf16 = distributed_fit("dense", sgd(), compression=kr.Compression.bf16)
+    check_weights("dense SGD bf16", bf16, reference, rtol=BF16_TOL, atol=BF16_TOL)
+    if all(np.array_equal(a, b) for a, b in zip(bf16.get_weights(), reference.get_weights())):
+        failures.append(f"rank {RANK}: bf16: weights equal float32's exactly; not compressed?")
+
+    check_mixed_precision("Adam, LossScaleOptimizer added", adam)
+    check_mixed_precision(
+        "SGD in an explicit LossScaleOptimizer",
+        lambda: keras.optimizers.LossScaleOptimizer(sgd()),
+    )
+
+
+def check_passes():
     # Two passes per update, averaged: one update per 2*N*b rows. Summed
     # (Horovod's default), the gradient doubles: SGD at twice the rate.
     for kind, reference in (
@@ -264,36 +360,6 @@ def check_options():
         "dense SGD backward_passes_per_step=2 summed",
         distributed_fit("dense", sgd(), passes=2),
         reference_fit("dense", sgd(0.2), passes=2),
-    )
-
-    reference = reference_fit("dense", sgd())
-    check_weights(
-        "dense SGD op=Sum", distributed_fit("dense", sgd(0.1 / SIZE), op=kr.Sum), reference
-    )
-    check_weights(
-        "dense SGD gradient_predivide_factor",
-        distributed_fit("dense", sgd(), gradient_predivide_factor=float(SIZE)),
-        reference,
-    )
-    check_weights(
-        "dense SGD num_groups=3", distributed_fit("dense", sgd(), num_groups=3), reference
-    )
-    check_weights(
-        "dense SGD groups=[kernels] tape",
-        distributed_tape("dense", sgd(), groups_of=lambda m: [m.trainable_variables[::2]]),
-        reference,
-    )
-    fp16 = distributed_fit("dense", sgd(), compression=kr.Compression.fp16)
-    check_weights("dense SGD fp16", fp16, reference, rtol=FP16_TOL, atol=FP16_TOL)
-    bf16 = distributed_fit("dense", sgd(), compression=kr.Compression.bf16)
-    check_weights("dense SGD bf16", bf16, reference, rtol=BF16_TOL, atol=BF16_TOL)
-    if all(np.array_equal(a, b) for a, b in zip(bf16.get_weights(), reference.get_weights())):
-        failures.append(f"rank {RANK}: bf16: weights equal float32's exactly; not compressed?")
-
-    check_mixed_precision("Adam, LossScaleOptimizer added", adam)
-    check_mixed_precision(
-        "SGD in an explicit LossScaleOptimizer",
-        lambda: keras.optimizers.LossScaleOptimizer(sgd()),
     )
 
 

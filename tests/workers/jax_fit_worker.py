@@ -1,0 +1,58 @@
+"""A whole Keras job under KERAS_BACKEND=jax that must never import TensorFlow.
+
+TensorFlow is installed where the tests run; any attempt to import it fails
+this script. NumPy data, sharded with `kr.shard_arrays`; the README's
+optimizer and callbacks, warmup, `kr.evaluate`, `kr.unshard` and a
+`SyncBatchNormalization` layer, in Keras's JAX trainer at its defaults.
+"""
+
+import os
+import sys
+import traceback
+
+os.environ["KERAS_BACKEND"] = "jax"
+
+
+class _NoTensorFlow:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tensorflow":
+            traceback.print_stack()
+            raise ImportError(f"jax_fit_worker: {name} was imported under KERAS_BACKEND=jax")
+
+
+sys.meta_path.insert(0, _NoTensorFlow())
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_ring as kr  # noqa: E402
+
+kr.init()
+rng = np.random.default_rng(0)
+x = rng.normal(size=(600, 8)).astype("float32")
+y = (x[:, :4].sum(axis=1) > 0).astype("int32")
+x_train, y_train = kr.shard_arrays(x[:512], y[:512])
+model = keras.Sequential([keras.layers.Dense(32, activation="relu"),
+                          kr.SyncBatchNormalization(),
+                          keras.layers.Dense(2, activation="softmax")])
+model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.Adam(1e-2 * kr.size())),
+              loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+steps = len(x_train) // 32
+history = model.fit(
+    x_train, y_train, batch_size=32, epochs=4, validation_data=kr.shard_arrays(x[512:], y[512:]),
+    callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0),
+               kr.callbacks.MetricAverageCallback(),
+               kr.callbacks.LearningRateWarmupCallback(1e-2 * kr.size(), warmup_epochs=1,
+                                                       steps_per_epoch=steps)],
+    verbose=kr.rank_zero_verbose(1))
+results = kr.evaluate(model, *kr.shard_arrays(x[512:], y[512:]), return_dict=True, verbose=0)
+predictions = kr.unshard(model.predict(kr.shard_arrays(x[512:]), verbose=0))
+assert predictions.shape == (88, 2), predictions.shape
+weights = np.concatenate([w.ravel() for w in model.get_weights()])
+every = kr.allgather_object((weights, history.history["val_loss"], results))
+assert all(np.array_equal(w, every[0][0]) for w, _, _ in every), "the ranks' weights differ"
+assert all(v == every[0][1] for _, v, _ in every), "the ranks' val_loss differ"
+assert all(r == every[0][2] for _, _, r in every), "kr.evaluate differs between ranks"
+assert history.history["loss"][-1] < history.history["loss"][0], history.history["loss"]
+print(f"jax_fit_worker: rank {kr.rank()} finished, accuracy {results['accuracy']:.3f}, "
+      f"tensorflow imported: {'tensorflow' in sys.modules}", flush=True)
