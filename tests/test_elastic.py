@@ -140,12 +140,15 @@ def _losses_continue(logs):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("start_rank", "fault"), [(1, "KILL"), (0, "KILL"), (2, "RAISE")],
-                         ids=["rank1", "rank0", "rank2-raises"])
+@pytest.mark.parametrize(("start_rank", "fault", "backend"),
+                         [(1, "KILL", "tensorflow"), (0, "KILL", "tensorflow"),
+                          (2, "RAISE", "tensorflow"), (1, "KILL", "jax")],
+                         ids=["rank1", "rank0", "rank2-raises", "rank1-jax"])
 def test_a_lost_worker_leaves_the_others_training_from_the_last_commit(tmp_path, start_rank,
-                                                                        fault):
+                                                                        fault, backend):
     result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "2"],
-                               env={"KR_TEST_FAULT": f"11:{start_rank}:{fault}"})
+                               env={"KR_TEST_FAULT": f"11:{start_rank}:{fault}",
+                                    "KERAS_BACKEND": backend})
     check_training_went_on(result, logs, survivors=2)
     resets = _resets(logs)
     assert len(resets) == 2 and all(r["size"] == 2 for r in resets), resets
@@ -153,6 +156,7 @@ def test_a_lost_worker_leaves_the_others_training_from_the_last_commit(tmp_path,
     assert all(r["iterations"] == 10 for r in resets), resets
     _losses_continue(logs)
     assert "lost" in result.stdout
+    assert f"on {backend}" in result.stdout
 
 
 @pytest.mark.multirank

@@ -36,10 +36,14 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(2)
+# Under the Keras backend KERAS_BACKEND names; the data is tf.data's under TensorFlow.
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
 
 import keras  # noqa: E402
 
@@ -78,9 +82,11 @@ targets = (features @ np.array([[1.5], [-2.0], [0.5], [3.0]], np.float32) + 0.7)
 
 
 def make_dataset():
-    """Each rank's shard of the data, for the world it is in now."""
+    """Each rank's shard of the data, for the world it is in now: `fit`'s data arguments."""
+    if BACKEND != "tensorflow":
+        return dict(zip(("x", "y"), kr.shard_arrays(features, targets)), batch_size=BATCH)
     data = tf.data.Dataset.from_tensor_slices((features, targets))
-    return kr.shard_dataset(data).repeat().batch(BATCH)
+    return {"x": kr.shard_dataset(data).repeat().batch(BATCH)}
 
 
 keras.utils.set_random_seed(1)
@@ -155,7 +161,7 @@ hosts_phase, hosts_waited = -1, 0.0
 
 @kr.elastic.run
 def train(state):
-    model.fit(make_dataset(), steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch, verbose=1,
+    model.fit(**make_dataset(), steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch, verbose=1,
               callbacks=[kr.elastic.CommitStateCallback(state, BATCHES_PER_COMMIT),
                          kr.elastic.UpdateBatchStateCallback(state),
                          kr.elastic.UpdateEpochStateCallback(state), Record(),
@@ -165,4 +171,5 @@ def train(state):
 train(state)
 log("end", iterations=int(model.optimizer.iterations.numpy()),
     weights=[w.tolist() for w in model.get_weights()])
-print(f"worker {WORKER}: finished as rank {kr.rank()} of {kr.size()}", flush=True)
+print(f"worker {WORKER}: finished as rank {kr.rank()} of {kr.size()} on {keras.backend.backend()}",
+      flush=True)
