@@ -90,6 +90,14 @@ _LAZY = {
     "stop_timeline": "keras_ring.timeline",
 }
 
+# What to use instead of a name that needs TensorFlow, where it is not installed.
+_TF_ALTERNATIVES = {
+    "keras_ring._ops": "on JAX, keras_ring.jax has the same collectives on jax.Arrays",
+    "keras_ring._gradient_tape": "with Keras on any backend, kr.DistributedOptimizer reduces "
+    "the gradients in model.fit; in a jax.jit step of your own, "
+    "keras_ring.jax.allreduce_gradients",
+}
+
 # Sub-packages that import Keras, loaded on first use too.
 _SUBPACKAGES = ("callbacks", "elastic")
 
@@ -112,7 +120,16 @@ if "keras" in sys.modules:
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as e:
+            if e.name != "tensorflow" or _LAZY[name] not in _TF_ALTERNATIVES:
+                raise
+            raise ModuleNotFoundError(
+                f"keras_ring.{name} works on TensorFlow tensors and needs TensorFlow, which is "
+                'not installed (pip install "keras-ring[tensorflow]"); '
+                f"{_TF_ALTERNATIVES[_LAZY[name]]}.", name="tensorflow") from None
+        return getattr(module, name)
     if name in _SUBPACKAGES:
         return importlib.import_module(f"keras_ring.{name}")
     raise AttributeError(f"module 'keras_ring' has no attribute {name!r}")

@@ -6,6 +6,7 @@ so the launcher starts fast and can explain a missing MPI itself.
 """
 
 import importlib
+import json
 import os
 import sys
 import threading
@@ -169,6 +170,7 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
                 f"{_describe_mpi(info)}; start the job with keras-ring-run or with that "
                 "MPI's own mpiexec."
             )
+        _check_same_keras_backend(engine, topology["size"])
         _topology = topology
         if topology["size"] > 1:
             _line_buffer_output()
@@ -185,6 +187,52 @@ def init(comm=None, process_sets=None, fusion_threshold=None, cycle_time=None,
 
         for process_set in process_sets:
             _process_sets.add_process_set(process_set)
+
+
+def _keras_backend_name():
+    """The Keras backend this process uses or will use, without importing Keras."""
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "backend"):
+        return keras.backend.backend()
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    # Keras's own choice: its config file, else TensorFlow.
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json"), encoding="utf-8") as f:
+            return str(json.load(f).get("backend", "tensorflow"))
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+# The Keras backend agreed at init(), which the Keras layer holds Keras to.
+keras_backend_at_init = None
+
+
+def _check_same_keras_backend(engine, size):
+    """Raises on every rank unless every rank runs the same Keras backend.
+
+    A job whose ranks trained on different backends would name its
+    collectives differently and wait for each other until the timeout.
+    """
+    import numpy as np
+
+    global keras_backend_at_init
+    name = keras_backend_at_init = _keras_backend_name()
+    if size == 1:
+        return
+    mine = np.frombuffer(name.encode()[:31].ljust(32, b"\0"), np.uint8)
+    every = engine.run(engine.ALLGATHER, [mine], ["keras_ring.init.keras_backend"])[0]
+    names = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every.reshape(-1, 32)]
+    if len(set(names)) == 1:
+        return
+    engine.shutdown()
+    ranks = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+    raise RuntimeError(
+        f"keras-ring: the ranks run different Keras backends ({ranks}); a job trains on one. "
+        "Give every rank the same KERAS_BACKEND (keras-ring-run passes its environment to "
+        "every rank) and the same Keras configuration."
+    )
 
 
 def shutdown():

@@ -83,3 +83,70 @@ def test_a_keras_job_on_jax_never_imports_tensorflow(run_ranks):
     for rank in range(2):
         assert f"jax_fit_worker: rank {rank} finished" in result.stdout, result.stdout[-3000:]
     assert "tensorflow imported: False" in result.stdout
+
+
+MIXED = """\
+import os
+import sys
+if os.environ.get("PMI_RANK", os.environ.get("KERAS_RING_RANK")) == "1":
+    os.environ["KERAS_BACKEND"] = "jax"
+import keras_ring as kr
+try:
+    kr.init()
+except RuntimeError as e:
+    print(f"refused: {e}", flush=True)
+    sys.exit(3)
+print("not refused", flush=True)
+"""
+
+
+@pytest.mark.multirank
+def test_ranks_on_different_backends_are_refused_at_init(run_ranks, tmp_path):
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED)
+    result = run_ranks(2, script, timeout=120, check=False,
+                       env={"KERAS_BACKEND": "tensorflow"})
+    assert result.returncode != 0
+    assert "not refused" not in result.stdout
+    assert result.stdout.count("refused: keras-ring: the ranks run different Keras backends "
+                               "(rank 0: tensorflow, rank 1: jax)") == 2, result.stdout
+
+
+def test_a_backend_changed_after_init_is_refused():
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import os\n"
+         "import keras_ring as kr\n"
+         "kr.init()\n"
+         "os.environ['KERAS_BACKEND'] = 'jax'\n"
+         "import keras\n"
+         "kr.DistributedOptimizer(keras.optimizers.SGD())\n"],
+        capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"},
+    )
+    assert result.returncode != 0
+    assert ("Keras runs on jax, but its backend was tensorflow when keras_ring.init() agreed it"
+            in result.stderr), result.stderr[-2000:]
+
+
+def test_a_tensorflow_helper_without_tensorflow_names_the_alternative():
+    result = _python(
+        "import sys\n"
+        "class NoTensorFlow:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'tensorflow':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoTensorFlow())\n"
+        "import keras_ring as kr\n"
+        "for name in ('allreduce', 'DistributedGradientTape', 'shard_dataset'):\n"
+        "    try:\n"
+        "        f = getattr(kr, name)\n"
+        "        f(None)\n"
+        "    except ImportError as e:\n"
+        "        print(name, '->', e)\n"
+    )
+    assert "allreduce -> keras_ring.allreduce works on TensorFlow tensors" in result.stdout, (
+        result.stdout + result.stderr)
+    assert "keras_ring.jax has the same collectives" in result.stdout
+    assert "keras_ring.jax.allreduce_gradients" in result.stdout
+    assert "kr.shard_arrays(x, y)" in result.stdout

@@ -25,19 +25,21 @@ them, as Keras's own `keras/src/backend/<name>/` modules do for Keras:
 - `pass_accumulator(passes, average)`: the sums of `backward_passes_per_step`,
   and the branch between accumulating and applying.
 
-Which module serves is `keras.backend.backend()`'s choice, made when first
-asked; a backend switched after that is refused.
+Which module serves is `keras.backend.backend()`'s choice. `kr.init()`
+agrees the backend between the ranks; one that differs from it later is
+refused.
 """
 
 import importlib
 
 import keras
 
+from keras_ring import _basics
+
 _MODULES = {
     "tensorflow": "keras_ring._keras_backend._tensorflow",
     "jax": "keras_ring._keras_backend._jax",
 }
-_chosen = None
 
 
 def current():
@@ -45,21 +47,19 @@ def current():
 
     Raises:
         NotImplementedError: For a Keras backend keras-ring does not support.
-        RuntimeError: If the Keras backend changed since keras-ring first used it.
+        RuntimeError: If the Keras backend is not the one `kr.init()` agreed.
     """
-    global _chosen
     name = keras.backend.backend()
-    if _chosen is not None and _chosen[0] != name:
+    agreed = _basics.keras_backend_at_init
+    if agreed is not None and agreed != name:
         raise RuntimeError(
-            f"keras-ring: the Keras backend changed from {_chosen[0]} to {name} after "
-            "keras-ring started using it; a process trains on one backend. Set KERAS_BACKEND "
-            "before importing Keras."
+            f"keras-ring: Keras runs on {name}, but its backend was {agreed} when "
+            "keras_ring.init() agreed it with the other ranks: KERAS_BACKEND changed after "
+            "kr.init(). Set it before kr.init() (and before importing Keras)."
         )
     if name not in _MODULES:
         raise NotImplementedError(
             f"keras-ring does not support the Keras backend {name!r} yet; it supports "
             f"{' and '.join(_MODULES)}. Received: KERAS_BACKEND={name}"
         )
-    if _chosen is None:
-        _chosen = (name, importlib.import_module(_MODULES[name]))
-    return _chosen[1]
+    return importlib.import_module(_MODULES[name])
