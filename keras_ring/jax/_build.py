@@ -16,7 +16,7 @@ from keras_ring import _op_build
 # The name under which the handler is registered with XLA.
 TARGET = "keras_ring_collective"
 
-_registered = False
+_registered = None  # the loaded library's path
 _lock = threading.Lock()
 
 
@@ -44,10 +44,15 @@ def library_path():
 def load():
     """Builds the library if needed and registers its handler with JAX (once).
 
+    Returns:
+        The library's path.
+
     Raises:
         RuntimeError: If the library cannot be built or does not load.
     """
     global _registered
+    if _registered:  # every collective asks: no lock, no hashing of the sources
+        return _registered
     with _lock:
         if not _registered:
             path = _op_build.build(adapter())
@@ -57,5 +62,5 @@ def load():
             except (OSError, AttributeError) as e:
                 raise _op_build.stale_library_error(adapter(), path, e) from e
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-            _registered = True
-    return library_path()
+            _registered = path
+    return _registered

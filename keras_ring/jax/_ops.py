@@ -98,8 +98,8 @@ def _name_bytes(name):
     raw = name.encode()
     padded = np.zeros(-(-(len(raw) + 1) // 16) * 16, np.uint8)
     padded[: len(raw)] = np.frombuffer(raw, np.uint8)
-    padded.flags.writeable = False
-    return padded
+    # On the device once: an eager call with this name transfers nothing.
+    return jax.device_put(padded, jax.devices("cpu")[0])
 
 
 def _array(value, api, reduces=False):
@@ -160,13 +160,8 @@ def _raise_from(error):
     raise RuntimeError(text) from None
 
 
-def _ffi(call, arrays, outputs):
-    """Runs one custom call; eagerly, waits for it and raises the engine's error."""
-    _build.load()
-    operands = list(arrays)
-    if call.collective == _ALLTOALL:
-        operands.append(np.asarray(call.splits or (), np.int32))
-    operands.append(_name_bytes(call.name))
+def _function(call, outputs):
+    """The custom call of `call` as a function of its operands, its attributes bound."""
     function = jax.ffi.ffi_call(
         _build.TARGET, outputs,
         # Every rank must run every call: XLA drops a call whose results are
@@ -176,22 +171,47 @@ def _ffi(call, arrays, outputs):
         # Under jax.vmap an allreduce or broadcast of the batched array is
         # the batch of them; the other collectives refuse a batch dimension.
         vmap_method="broadcast_all" if call.collective in (_ALLREDUCE, _BROADCAST) else None,
+        # Allreduce and broadcast write over their inputs: where an input is a
+        # value of the step (a gradient), XLA needs no new buffer for the result.
+        **({"input_output_aliases": {i: i for i in range(len(outputs))}}
+           if call.collective in (_ALLREDUCE, _BROADCAST) else {}),
     )
+    attributes = dict(
+        collective=np.int64(call.collective),
+        reduce_op=np.int64(call.reduce_op),
+        prescale_factor=np.float64(call.prescale_factor),
+        postscale_factor=np.float64(call.postscale_factor),
+        compression=np.int64(call.compression),
+        root_rank=np.int64(call.root_rank),
+        process_set=np.int64(call.set_id),
+        grouped=np.int64(call.grouped),
+    )
+    return lambda *operands: function(*operands, **attributes)
+
+
+@functools.lru_cache(maxsize=256)
+def _eager_function(call, outputs):
+    """`_function` compiled once per signature: eager calls then dispatch as fast as jax.jit.
+
+    `call` comes without its name, which is an operand.
+    """
+    return jax.jit(_function(call, [_struct(shape, jnp.dtype(name)) for shape, name in outputs]))
+
+
+def _ffi(call, arrays, outputs):
+    """Runs one custom call; eagerly, waits for it and raises the engine's error."""
+    _build.load()
+    operands = list(arrays)
+    if call.collective == _ALLTOALL:
+        operands.append(np.asarray(call.splits or (), np.int32))
+    operands.append(_name_bytes(call.name))
     traced = _is_traced(arrays)
     try:
-        results = function(
-            *operands,
-            collective=np.int64(call.collective),
-            reduce_op=np.int64(call.reduce_op),
-            prescale_factor=np.float64(call.prescale_factor),
-            postscale_factor=np.float64(call.postscale_factor),
-            compression=np.int64(call.compression),
-            root_rank=np.int64(call.root_rank),
-            process_set=np.int64(call.set_id),
-            grouped=np.int64(call.grouped),
-        )
-        if not traced:
-            jax.block_until_ready(results)
+        if traced:
+            return _function(call, outputs)(*operands)
+        signature = tuple((tuple(o.shape), np.dtype(o.dtype).name) for o in outputs)
+        results = _eager_function(dataclasses.replace(call, name=""), signature)(*operands)
+        jax.block_until_ready(results)
     except jax.errors.JaxRuntimeError as error:
         _raise_from(error)
     return results
@@ -229,8 +249,15 @@ def _forward(call, arrays):
     return tuple(_ffi(call, arrays, structs))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _collective(call, arrays):
+    """The collective's results; differentiable under JAX's transformations."""
+    if not any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return _forward(call, arrays)  # no transformation: the custom VJP would only cost
+    return _differentiable(call, arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable(call, arrays):
     return _forward(call, arrays)
 
 
@@ -306,7 +333,7 @@ def _collective_bwd(call, _, grads):
     return (tuple(results),)
 
 
-_collective.defvjp(_collective_fwd, _collective_bwd)
+_differentiable.defvjp(_collective_fwd, _collective_bwd)
 
 
 def _reduction_call(collective, arrays, api, op, average, compression, prescale_factor,
