@@ -1,6 +1,6 @@
 """model.fit throughput: plain Keras, keras-ring on 1 rank, keras-ring on 2 ranks.
 
-    python benchmarks/keras_fit.py [--steps 60] [--batch 64]
+    python benchmarks/keras_fit.py [--steps 60] [--batch 64] [--backend tensorflow|jax]
 
 The driver starts each configuration as its own job in one run (plain Keras
 as a plain process, keras-ring under keras-ring-run), every process with one
@@ -11,7 +11,9 @@ efficiency at 2 ranks (total samples/s / (2 x 1-rank samples/s)), and writes
 JSON and a PNG plot to benchmarks/results/. As the machine's ceiling it also
 runs two plain Keras processes at once that share nothing: whatever they lose
 against one alone (cores, caches and memory bandwidth shared) no amount of
-communication can win back.
+communication can win back. `--backend jax` runs every configuration under
+Keras's JAX backend (NumPy data, Keras's default `jit_compile`) and writes
+`keras_fit_jax.*`.
 """
 
 import argparse
@@ -29,12 +31,18 @@ RESULT_PREFIX = "KERAS_FIT_RESULT "
 def worker(args):
     """One training job: prints its samples/s (rank 0) as a tagged JSON line."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ["KERAS_BACKEND"] = args.backend
+    # One thread for XLA's CPU computations, as TF gets one intra-op thread.
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+                          "intra_op_parallelism_threads=1")
     import keras
     import numpy as np
-    import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    if args.backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
     distributed = args.mode == "keras-ring"
     rank, size = 0, 1
     if distributed:
@@ -46,7 +54,12 @@ def worker(args):
     rng = np.random.default_rng(rank)
     x = rng.standard_normal((args.batch * 8, 512)).astype("float32")
     y = rng.integers(0, 10, args.batch * 8)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
+    if args.backend == "tensorflow":
+        data = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()}
+    else:
+        steps = args.warmup + args.steps
+        data = {"x": np.tile(x, (-(-steps // 8), 1)), "y": np.tile(y, -(-steps // 8)),
+                "batch_size": args.batch}
     model = keras.Sequential([
         keras.Input((512,)),
         keras.layers.Dense(1024, activation="relu"),
@@ -76,12 +89,12 @@ def worker(args):
             self.seconds = time.perf_counter() - self.start
 
     timer = Timer()
-    model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps,
+    model.fit(**data, epochs=1, steps_per_epoch=args.warmup + args.steps,
               callbacks=callbacks + [timer], verbose=0)
     per_rank = args.steps * args.batch / timer.seconds
     total = per_rank * size
     if distributed:
-        total = float(kr.allreduce(np.float64(per_rank), op=kr.Sum, name="samples"))
+        total = float(sum(kr.allgather_object(per_rank)))
     result = {"ranks": size, "samples_per_s": total, "samples_per_s_per_rank": total / size}
     if distributed:
         from keras_ring import _engine
@@ -123,7 +136,7 @@ def independent_pair(command):
 
 def driver(args):
     me = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps),
-          "--batch", str(args.batch), "--warmup", str(args.warmup)]
+          "--batch", str(args.batch), "--warmup", str(args.warmup), "--backend", args.backend]
     launcher = os.path.join(os.path.dirname(sys.executable), "keras-ring-run")
     rows = [
         {"config": "plain Keras", **run_job(me + ["--mode", "plain"])},
@@ -138,8 +151,8 @@ def driver(args):
                "scaling_efficiency_at_2_ranks": two / (2 * one),
                "scaling_ceiling_at_2_processes": pair / (2 * plain),
                "of_the_ceiling_at_2_ranks": two / pair}
-    print(f"\nmodel.fit, MLP 512-1024-1024-512-10, batch {args.batch} per rank, "
-          f"{args.steps} timed steps, 1 intra-op thread per process")
+    print(f"\nmodel.fit on {args.backend}, MLP 512-1024-1024-512-10, batch {args.batch} per "
+          f"rank, {args.steps} timed steps, 1 intra-op thread per process")
     print(f"{'configuration':<22}{'samples/s':>12}{'per rank':>12}")
     for r in rows:
         print(f"{r['config']:<22}{r['samples_per_s']:>12.0f}{r['samples_per_s_per_rank']:>12.0f}")
@@ -150,13 +163,14 @@ def driver(args):
           f"{summary['scaling_ceiling_at_2_processes'] * 100:.0f}% of twice one alone (this "
           f"machine's ceiling); keras-ring at 2 ranks reaches "
           f"{summary['of_the_ceiling_at_2_ranks'] * 100:.0f}% of that pair")
+    name = "keras_fit" if args.backend == "tensorflow" else f"keras_fit_{args.backend}"
     fig, ax = write_results(
-        args.out, "keras_fit",
-        {"steps": args.steps, "batch": args.batch, "rows": rows, **summary}, figsize=(7, 3.5))
+        args.out, name, {"backend": args.backend, "steps": args.steps, "batch": args.batch,
+                         "rows": rows, **summary}, figsize=(7, 3.5))
     ax.bar([r["config"] for r in rows], [r["samples_per_s"] for r in rows])
     ax.set_ylabel("samples/s (all ranks)")
-    ax.set_title("model.fit throughput")
-    save_plot(fig, args.out, "keras_fit")
+    ax.set_title(f"model.fit throughput ({args.backend})")
+    save_plot(fig, args.out, name)
 
 
 def main():
@@ -165,6 +179,7 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--backend", choices=["tensorflow", "jax"], default="tensorflow")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if args.mode:

@@ -1,4 +1,4 @@
-"""keras_ring.callbacks across 3 ranks (tests/workers/callbacks_worker.py)."""
+"""keras_ring.callbacks across 3 ranks under each Keras backend (workers/callbacks_worker.py)."""
 
 import pathlib
 
@@ -16,11 +16,13 @@ SCENARIOS = [
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 @pytest.mark.parametrize("np", [3])
-def test_callbacks(run_ranks, tmp_path, np):
+def test_callbacks(run_ranks, tmp_path, np, backend):
     out_dir = tmp_path / "files"
     out_dir.mkdir()
-    result = run_ranks(np, WORKER, out_dir, *SCENARIOS, timeout=300)
+    result = run_ranks(np, WORKER, out_dir, *SCENARIOS, timeout=300,
+                       env={"KERAS_BACKEND": backend})
     for scenario in SCENARIOS:
         assert f"{scenario}: " in result.stdout, result.stdout
     # Files are written by rank 0 only; BackupAndRestore's backups are deleted at the end.

@@ -24,11 +24,15 @@ import traceback
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-# Up to 3 ranks share 2 cores.
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(2)
+# Under the Keras backend KERAS_BACKEND names.
+BACKEND = keras.backend.backend()
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    # Up to 3 ranks share 2 cores.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
 
 from interrupt_callback import Interrupt  # noqa: E402
 
@@ -108,12 +112,23 @@ class Recorder(keras.callbacks.Callback):
         self.logs.append(dict(logs))
 
 
-class CollectiveStepModel(keras.Sequential):
-    """Communicates in every train step, as a DistributedOptimizer does."""
+if BACKEND == "tensorflow":
+    class CollectiveStepModel(keras.Sequential):
+        """Communicates in every train step, as a DistributedOptimizer does."""
 
-    def train_step(self, data):
-        kr.allreduce(tf.constant(1.0), name="worker.train_step")
-        return super().train_step(data)
+        def train_step(self, data):
+            kr.allreduce(tf.constant(1.0), name="worker.train_step")
+            return super().train_step(data)
+else:
+
+    import keras_ring.jax as krj
+
+    class CollectiveStepModel(keras.Sequential):
+        """Communicates in every train step, as a DistributedOptimizer does."""
+
+        def train_step(self, state, data):
+            krj.allreduce(np.float32(1.0), name="worker.train_step")
+            return super().train_step(state, data)
 
 
 def scenario_broadcast(out_dir):
@@ -317,15 +332,18 @@ def scenario_guard(out_dir):
         "steps_per_execution=2",
         "shard_dataset",
     )
-    # Of unknown length: rank 0 warns that it cannot check (here the lengths agree).
-    x, y = data(4, seed=RANK)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(BATCH)
-    with logged() as lines:
-        small_model(steps_per_execution=2).fit(
-            dataset, verbose=0, callbacks=[kr.callbacks.MetricAverageCallback()]
-        )
-    unknown_warnings = [line for line in lines if "unknown length" in line]
-    check(len(unknown_warnings) == (RANK == 0), f"unknown-length warnings: {unknown_warnings}")
+    if BACKEND == "tensorflow":
+        # Of unknown length (tf.data's filter): rank 0 warns that it cannot check (here the
+        # lengths agree).
+        x, y = data(4, seed=RANK)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(BATCH)
+        with logged() as lines:
+            small_model(steps_per_execution=2).fit(
+                dataset, verbose=0, callbacks=[kr.callbacks.MetricAverageCallback()]
+            )
+        unknown_warnings = [line for line in lines if "unknown length" in line]
+        check(len(unknown_warnings) == (RANK == 0),
+              f"unknown-length warnings: {unknown_warnings}")
 
     # A rank that stops alone, although every train step communicates: caught
     # at the start of the next step, before the train step's collective.
