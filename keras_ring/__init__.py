@@ -1,4 +1,4 @@
-"""keras-ring: distributed data-parallel training for Keras 3 on TensorFlow.
+"""keras-ring: distributed data-parallel training for Keras 3 on TensorFlow and JAX.
 
 The API mirrors `horovod.tensorflow.keras`: `init()`, `rank()`, `size()`,
 collectives on tensors (`allreduce`, `grouped_allreduce`, `allgather`,
@@ -6,7 +6,9 @@ collectives on tensors (`allreduce`, `grouped_allreduce`, `allgather`,
 `alltoall`) and the reduce ops `Average`, `Sum`, `Min`, `Max`, `Product`
 (`Adasum` is named, and refused where used), and for Keras
 `DistributedOptimizer`, `DistributedGradientTape`, their `Partial*` forms
-with local layers, and `SyncBatchNormalization`.
+with local layers, and `SyncBatchNormalization`. The collectives here take
+TensorFlow tensors; `keras_ring.jax` has them on `jax.Array`s. The Keras
+layer runs under either Keras backend.
 """
 
 import importlib
@@ -51,9 +53,9 @@ from keras_ring._reduce_ops import Adasum, Average, Max, Min, Product, Sum
 
 __version__ = "0.1.0.dev0"
 
-# Everything below needs TensorFlow (and Keras); importing them takes seconds,
-# so it happens on first use (`kr.allreduce`), and the launcher and
-# `kr.init()` stay fast. Name -> the module that defines it.
+# Everything below needs Keras (the collectives and the tape TensorFlow);
+# importing them takes seconds, so it happens on first use (`kr.allreduce`),
+# and the launcher and `kr.init()` stay fast. Name -> the module that defines it.
 _LAZY = {
     "allreduce": "keras_ring._ops",
     "grouped_allreduce": "keras_ring._ops",

@@ -78,8 +78,8 @@ class SyncBatchNormalization(_BatchNormalization):
 
     Every rank must call the layer in training the same number of times,
     in the same order (as every rank runs the same train steps); the
-    collectives are matched by their graph node's name, which follows the
-    layer's name.
+    collectives are matched by name: under TensorFlow their graph node's,
+    which follows the layer's name, under JAX the order of tracing.
 
     `synchronized` is `BatchNormalization`'s switch for a `tf.distribute`
     strategy, which keras-ring replaces: this layer always synchronises

@@ -43,6 +43,7 @@ def test_docs_build_without_warnings(tmp_path):
         "api",
         "keras",
         "design",
+        "backends",
     ]
     pages += [f"tutorials/{os.path.basename(path)[: -len('.ipynb')]}" for path in TUTORIALS]
     for page in pages:
@@ -56,6 +57,8 @@ def test_docs_build_without_warnings(tmp_path):
         "keras_ring.ProcessSet",
         "BroadcastGlobalVariablesCallback",
         "keras_ring.elastic.KerasState",
+        "keras_ring.jax.allreduce",
+        "keras_ring.shard_arrays",
     ):
         assert name in api, name
 
@@ -78,8 +81,11 @@ def test_every_public_symbol_has_a_docstring_with_an_example():
     # are plain integers, described in docs/api.md.
     import keras_ring
     import keras_ring.callbacks
+    import keras_ring.jax
 
     symbols = [(f"keras_ring.{name}", getattr(keras_ring, name)) for name in keras_ring.__all__]
+    symbols += [(f"keras_ring.jax.{name}", getattr(keras_ring.jax, name))
+                for name in keras_ring.jax.__all__]
     symbols += [
         (f"keras_ring.callbacks.{name}", getattr(keras_ring.callbacks, name))
         for name in keras_ring.callbacks.__all__

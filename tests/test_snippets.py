@@ -70,3 +70,16 @@ def test_snippet_trains_as_written(tmp_path, page, launch, backend):
         assert f"snippet finished on rank {rank} of 2" in out
     assert "Epoch 10/10" in out and "━━━━━━━━━━━━━━━━━━━━" in out, out[-3000:]
     assert "Epoch 1/10" not in err  # only rank 0 prints progress, on stdout
+
+
+def test_the_jax_script_of_getting_started_trains_as_written(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(snippet("docs/getting-started.md", "## On JAX") + EPILOGUE)
+    result = subprocess.run([BIN / "keras-ring-run", "-np", "2", sys.executable, script],
+                            stdin=subprocess.DEVNULL, capture_output=True, timeout=400,
+                            cwd=tmp_path, env={**os.environ, **RANK_THREAD_ENV})
+    out, err = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 0, f"{out[-3000:]}\n{err[-5000:]}"
+    for rank in range(2):
+        assert f"snippet finished on rank {rank} of 2" in out
+    assert "Epoch 3/3" in out and "━━━━━━━━━━━━━━━━━━━━" in out, out[-3000:]

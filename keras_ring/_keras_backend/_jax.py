@@ -82,8 +82,9 @@ def at_first_update(variables, ready, fn, iterations):
 def pass_accumulator(passes, average):
     raise NotImplementedError(
         "keras-ring: backward_passes_per_step > 1 is not available under KERAS_BACKEND=jax "
-        "yet; use Keras's own gradient_accumulation_steps on the wrapped optimizer, or the "
-        f"TensorFlow backend. Received: backward_passes_per_step={passes}"
+        "yet; use Keras's own gradient_accumulation_steps on the wrapped optimizer (the "
+        "gradients are then reduced at every pass), or the TensorFlow backend. "
+        f"Received: backward_passes_per_step={passes}"
     )
 
 

@@ -98,8 +98,16 @@ def _name_bytes(name):
     raw = name.encode()
     padded = np.zeros(-(-(len(raw) + 1) // 16) * 16, np.uint8)
     padded[: len(raw)] = np.frombuffer(raw, np.uint8)
-    # On the device once: an eager call with this name transfers nothing.
-    return jax.device_put(padded, jax.devices("cpu")[0])
+    padded.flags.writeable = False
+    return padded
+
+
+@functools.lru_cache(maxsize=1024)
+def _name_on_device(name):
+    """`_name_bytes` on the device, once: an eager call with this name transfers nothing."""
+    # Made eagerly even where a trace is under way, so that no tracer is kept.
+    with jax.ensure_compile_time_eval():
+        return jax.device_put(_name_bytes(name), jax.devices("cpu")[0])
 
 
 def _array(value, api, reduces=False):
@@ -204,8 +212,8 @@ def _ffi(call, arrays, outputs):
     operands = list(arrays)
     if call.collective == _ALLTOALL:
         operands.append(np.asarray(call.splits or (), np.int32))
-    operands.append(_name_bytes(call.name))
     traced = _is_traced(arrays)
+    operands.append(_name_bytes(call.name) if traced else _name_on_device(call.name))
     try:
         if traced:
             return _function(call, outputs)(*operands)
@@ -421,6 +429,12 @@ def grouped_allreduce(tensors, op=None, compression=None, prescale_factor=1.0,
 
     Returns:
         A list of arrays, one per input.
+
+    Example:
+
+    ```python
+    w_grad, b_grad = krj.grouped_allreduce([w_grad, b_grad], name="grads")
+    ```
     """
     _basics._require_initialized("grouped_allreduce()")
     arrays = _array_list(tensors, "grouped_allreduce", reduces=True)
@@ -440,6 +454,12 @@ def reducescatter(tensor, op=None, compression=None, prescale_factor=1.0,
 
     Returns:
         This rank's rows of the reduction. Differentiable.
+
+    Example:
+
+    ```python
+    mine = krj.reducescatter(jnp.ones((5, 2)), op=krj.Sum)  # 2 ranks: 3 rows, then 2
+    ```
     """
     _basics._require_initialized("reducescatter()")
     array = _array(tensor, "reducescatter", reduces=True)
@@ -450,7 +470,14 @@ def reducescatter(tensor, op=None, compression=None, prescale_factor=1.0,
 
 def grouped_reducescatter(tensors, op=None, compression=None, prescale_factor=1.0,
                           postscale_factor=1.0, name=None, process_set=global_process_set):
-    """`reducescatter` of a list of arrays in one custom call; returns a list."""
+    """`reducescatter` of a list of arrays in one custom call; returns a list.
+
+    Example:
+
+    ```python
+    a, b = krj.grouped_reducescatter([jnp.ones((4, 2)), jnp.ones(4)], op=krj.Sum)
+    ```
+    """
     _basics._require_initialized("grouped_reducescatter()")
     arrays = _array_list(tensors, "grouped_reducescatter", reduces=True)
     for a in arrays:
@@ -497,6 +524,12 @@ def allgather(tensor, name=None, process_set=global_process_set):
     Returns:
         The gathered array. Differentiable: a rank's gradient is the sum of
         every rank's gradient for its rows.
+
+    Example:
+
+    ```python
+    every = krj.allgather(jnp.full((1, 3), krj.rank()))  # 2 ranks: rows of 0s, then 1s
+    ```
     """
     _basics._require_initialized("allgather()")
     array = _array(tensor, "allgather")
@@ -505,7 +538,14 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """`allgather` of a list of arrays in one custom call; returns a list."""
+    """`allgather` of a list of arrays in one custom call; returns a list.
+
+    Example:
+
+    ```python
+    xs, ys = krj.grouped_allgather([x, y])
+    ```
+    """
     _basics._require_initialized("grouped_allgather()")
     arrays = _array_list(tensors, "grouped_allgather")
     for a in arrays:
@@ -521,6 +561,12 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     Returns:
         The root's array. Differentiable: the root's gradient is the sum of
         every rank's, the others' zero.
+
+    Example:
+
+    ```python
+    seed = krj.broadcast(jnp.asarray(np.random.randint(1 << 30)), root_rank=0)
+    ```
     """
     _basics._require_initialized("broadcast()")
     array = _array(tensor, "broadcast")
@@ -544,6 +590,13 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     Returns:
         The received rows in rank order; with `splits`, as Horovod does, also
         the rows received from each rank (an int32 array). Differentiable.
+
+    Example:
+
+    ```python
+    mixed = jax.jit(krj.alltoall)(jnp.arange(4.0))   # 2 ranks: rows 0-1 stay, 2-3 go
+    rows, received = krj.alltoall(x, splits=[1, 3])  # eagerly, any splits
+    ```
     """
     _basics._require_initialized("alltoall()")
     array = _array(tensor, "alltoall")

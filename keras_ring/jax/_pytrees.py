@@ -50,6 +50,13 @@ def broadcast_parameters(tree, root_rank=0, name="parameters", process_set=globa
 
     Returns:
         A pytree of the same structure with the root's arrays.
+
+    Example:
+
+    ```python
+    params = init_params(jax.random.key(krj.rank()))  # different on every rank
+    params = krj.broadcast_parameters(params, root_rank=0)
+    ```
     """
     _basics._require_initialized("broadcast_parameters()")
     leaves, treedef = jax.tree.flatten(tree)

@@ -288,6 +288,19 @@ def check_pytrees():
               np.full((3, 2), SIZE - 1, np.float32), np.float32)
 
 
+def check_names_used_again():
+    """A name used in two jitted functions and eagerly: each call matches across ranks."""
+    x = jnp.arange(3, dtype=jnp.float32) + RANK
+    total = sum(np.arange(3, dtype=np.float32) + r for r in range(SIZE))
+    first = jax.jit(lambda v: krj.allreduce(v, op=krj.Sum, name="again"))
+    second = jax.jit(lambda v: krj.allreduce(2 * v, op=krj.Sum, name="again"))
+    for what, got, expected in (("first jit", first(x), total),
+                                ("second jit", second(x), 2 * total),
+                                ("eager", krj.allreduce(x, op=krj.Sum, name="again"), total),
+                                ("first jit again", first(x), total)):
+        check(f"name used again: {what}", got, expected, np.float32)
+
+
 def check_errors():
     """Bad input fails on every rank, naming the tensor and what each rank sent."""
     try:
@@ -322,7 +335,7 @@ def check_errors():
 
 for section in (check_allreduce, check_grouped_allreduce, check_allgather,
                 check_grouped_allgather, check_broadcast, check_reducescatter, check_alltoall,
-                check_gradients, check_pytrees, check_errors):
+                check_gradients, check_pytrees, check_names_used_again, check_errors):
     section()
 
 krj.shutdown()
