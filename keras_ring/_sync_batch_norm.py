@@ -64,10 +64,10 @@ class SyncBatchNormalization(_BatchNormalization):
     computes them over the union of all ranks' batches, so that `N` ranks at
     batch `b` normalise, update the moving statistics and backpropagate
     exactly as one process at batch `N * b`. Ranks may hold different
-    numbers of rows (the last, partial batch, or none): each rank's count,
-    mean and sum of squared deviations go to every rank in one `allgather`
-    per layer and step, and are combined by count (Chan's parallel formula,
-    as accurate as one pass over all the rows). Gradients flow back through
+    numbers of rows (the last, partial batch, or none): each rank's count
+    and mean, then its squared deviations from the global mean, are summed
+    over the ranks in two grouped allreduces per layer and step (Chan's
+    parallel formula, as accurate as one pass over all the rows). Gradients flow back through
     the collective to every rank's inputs.
 
     Everything else is `BatchNormalization`'s: the arguments, the variables,
@@ -209,16 +209,16 @@ class SyncBatchNormalization(_BatchNormalization):
             return super()._moments(inputs, mask)
         axes = list(self._reduction_axes)
         count, mean, squares = _local_moments(inputs, mask, axes)
-        # One row per rank (a rank that joined sends none): count, mean and
-        # squared deviations of each channel.
-        rows = ops.expand_dims(ops.stack([count, mean, squares]), 0)
-        gathered = _keras_backend.current().allgather(rows)
-        counts, means, squares = gathered[:, 0], gathered[:, 1], gathered[:, 2]
-        total = ops.sum(counts, axis=0)
-        global_mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), total)
+        # Sums over the ranks, to which a rank that joined adds zeros, and
+        # whose shapes do not depend on how many ranks take part (a
+        # compiled step's cannot): first the counts and weighted means of
+        # each channel, then, from the global mean, the squared deviations.
+        sum_over_ranks = _keras_backend.current().sum_over_ranks
+        total, weighted = sum_over_ranks([count, count * mean])
+        global_mean = ops.divide_no_nan(weighted, total)
         # Chan et al.: the squared deviations from the global mean are each
         # rank's own plus its count times its mean's squared distance to it.
-        squares = ops.sum(squares + counts * ops.square(means - global_mean), axis=0)
+        (squares,) = sum_over_ranks([squares + count * ops.square(mean - global_mean)])
         if mask is None:
             return global_mean, ops.divide_no_nan(squares, total)
         # Keras divides masked sums by the weights plus its epsilon.

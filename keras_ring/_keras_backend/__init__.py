@@ -13,8 +13,8 @@ them, as Keras's own `keras/src/backend/<name>/` modules do for Keras:
 - `grouped_allreduce(tensors, op, compression, prescale_factor,
   postscale_factor, name, process_set, device_dense, device_sparse)`: one
   grouped allreduce inside the step.
-- `allgather(tensor)`: an allgather inside the step, named as the backend
-  names unnamed collectives (`SyncBatchNormalization`'s statistics).
+- `sum_over_ranks(tensors)`: a grouped sum inside the step, named as the
+  backend names unnamed collectives (`SyncBatchNormalization`'s statistics).
 - `densify(grad)`, `divide(grad, n)`, `static_bytes(tensor)`: gradients that
   may be sparse (TF's `IndexedSlices`).
 - `when_ready(variables, fn)`: calls `fn()` eagerly once the variables hold

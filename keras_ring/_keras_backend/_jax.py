@@ -37,8 +37,8 @@ def grouped_allreduce(tensors, op, compression, prescale_factor, postscale_facto
                                   process_set=process_set)
 
 
-def allgather(tensor):
-    return _krj.allgather(tensor)
+def sum_over_ranks(tensors):
+    return _krj.grouped_allreduce(tensors, op=_krj.Sum)
 
 
 def densify(grad):

@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from keras_ring import _ops
+from keras_ring._reduce_ops import Sum
 
 
 def check_no_strategy(api):
@@ -65,8 +66,8 @@ def grouped_allreduce(tensors, op, compression, prescale_factor, postscale_facto
                                    name, process_set, device_dense, device_sparse)
 
 
-def allgather(tensor):
-    return _ops.allgather(tensor)
+def sum_over_ranks(tensors):
+    return _ops.grouped_allreduce(tensors, op=Sum)
 
 
 def densify(grad):

@@ -2,7 +2,7 @@
 
 TensorFlow is installed where the tests run; any attempt to import it fails
 this script. NumPy data, sharded with `kr.shard_arrays`; the README's
-optimizer and callbacks, warmup, `kr.evaluate`, `kr.unshard` and a
+optimizer and callbacks, warmup, `kr.evaluate`, `kr.unshard`, `kr.shard_py_dataset` and a
 `SyncBatchNormalization` layer, in Keras's JAX trainer at its defaults.
 """
 
@@ -54,5 +54,25 @@ assert all(np.array_equal(w, every[0][0]) for w, _, _ in every), "the ranks' wei
 assert all(v == every[0][1] for _, v, _ in every), "the ranks' val_loss differ"
 assert all(r == every[0][2] for _, _, r in every), "kr.evaluate differs between ranks"
 assert history.history["loss"][-1] < history.history["loss"][0], history.history["loss"]
+
+
+class Batches(keras.utils.PyDataset):
+    """Batch i of the whole data holds rows [16i, 16i + 16); 9 batches for 2 or 3 ranks."""
+
+    def __len__(self):
+        return 9
+
+    def __getitem__(self, index):
+        rows = slice(16 * index, 16 * index + 16)
+        return x[rows], y[rows]
+
+
+shard = kr.shard_py_dataset(Batches())
+assert len(shard) == len(range(kr.rank(), 9, kr.size())), len(shard)
+firsts = [float(shard[i][0][0, 0]) for i in range(len(shard))]
+assert firsts == [float(x[16 * b, 0]) for b in range(kr.rank(), 9, kr.size())], firsts
+even = kr.shard_py_dataset(Batches(), drop_remainder=True)
+assert len(even) == 9 // kr.size(), len(even)
+model.fit(shard, epochs=1, callbacks=[kr.callbacks.MetricAverageCallback()], verbose=0)
 print(f"jax_fit_worker: rank {kr.rank()} finished, accuracy {results['accuracy']:.3f}, "
       f"tensorflow imported: {'tensorflow' in sys.modules}", flush=True)

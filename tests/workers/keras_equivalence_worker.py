@@ -10,8 +10,9 @@ N*b rows, and compares its weights after STEPS steps with a single-rank
 reference that it computes itself with plain Keras on the whole batches.
 
 Suites:
-    core: a dense model and one with an Embedding (under TF sparse
-        gradients, and sparse_as_dense), with SGD with momentum and Adam,
+    core: a dense model, one with an Embedding (under TF sparse gradients,
+        and sparse_as_dense) and one with SyncBatchNormalization (against
+        BatchNormalization at N*b), with SGD with momentum and Adam,
         through `model.fit` with `DistributedOptimizer` and through a custom
         loop (TF: `DistributedGradientTape`; JAX: a `jax.jit` step with
         `keras_ring.jax`), on ranks that start from different weights.
@@ -108,6 +109,11 @@ def build_model(kind, seed=SEED):
                 keras.layers.Dense(2),
             ]
         )
+    if kind in ("batchnorm", "syncbn"):
+        # The reference normalises its whole batch; the ranks synchronise theirs.
+        norm = kr.SyncBatchNormalization if kind == "syncbn" else keras.layers.BatchNormalization
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), norm(),
+                                 keras.layers.Activation("tanh"), keras.layers.Dense(2)])
     # Few rows, so that ranks (and a batch) look up the same rows: their
     # sparse gradients then carry duplicate indices.
     return keras.Sequential(
@@ -295,6 +301,10 @@ def check_core():
                               reference)
             else:
                 check_weights(f"{kind} {name} tape", distributed_tape(kind, make()), reference)
+    # Batch statistics over every rank's rows: SyncBatchNormalization against one rank's
+    # BatchNormalization at N*b, moving statistics included.
+    check_weights("SyncBatchNormalization SGD fit", distributed_fit("syncbn", sgd()),
+                  reference_fit("batchnorm", sgd()))
     if BACKEND == "jax":
         return  # JAX's gradients are dense: sparse_as_dense changes nothing
     for name, make in (("SGD", sgd), ("Adam", adam)):
