@@ -58,6 +58,15 @@ def agreeing_ranks(ranks, digests):
     return "; ".join(str(group) for group in groups.values())
 
 
+def _own_loop():
+    """How a training loop of the user's own gives every rank the root's weights."""
+    if keras.backend.backend() == "jax":
+        return ("give the values your jax.jit step starts from to "
+                "keras_ring.jax.broadcast_parameters(values, root_rank=0)")
+    return ("call keras_ring.broadcast_variables(model.variables, root_rank=0) once the model "
+            "is built (it has variables)")
+
+
 def check_same_start(values, process_set):
     """Raises, on every rank, if the ranks' weights differ before their first update.
 
@@ -94,9 +103,8 @@ def check_same_start(values, process_set):
         f"{agreeing_ranks(ranks, digests)}), so each would train a model of its own: "
         f"DistributedOptimizer averages the gradients, not the weights.{sizes} Give every rank "
         "the root's weights before the first step: pass "
-        "keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) to fit(), or call "
-        "keras_ring.broadcast_variables(model.variables, root_rank=0) once the model is built "
-        "(it has variables), before a training loop of your own. Variables that differ "
+        f"keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) to fit(), or {_own_loop()}, "
+        "before a training loop of your own. Variables that differ "
         "between ranks by design must be registered with optimizer.register_local_var(variable)."
     )
     if setting != "warn":
