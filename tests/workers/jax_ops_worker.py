@@ -301,6 +301,27 @@ def check_names_used_again():
         check(f"name used again: {what}", got, expected, np.float32)
 
 
+def check_process_set():
+    """Collectives among a subset of the ranks: sizes, ranks and roots count within it."""
+    members = [0, SIZE - 1]
+    subset = krj.add_process_set(members)
+    if subset.included():
+        x = jnp.arange(4, dtype=jnp.float32) + RANK
+        expected = sum(np.arange(4, dtype=np.float32) + r for r in members)
+        for mode in MODES:
+            reduce = functools.partial(krj.allreduce, op=krj.Sum, process_set=subset)
+            got = reduce(x) if mode == "eager" else jax.jit(reduce)(x)
+            check(f"process set allreduce {mode}", got, expected, np.float32)
+        gathered = krj.allgather(jnp.full((1, 2), RANK, jnp.int32), process_set=subset)
+        check("process set allgather", gathered,
+              np.array([[r, r] for r in members], np.int32), np.int32)
+        root = members[-1]
+        check("process set broadcast",
+              krj.broadcast(jnp.full(3, RANK, jnp.int32), root, process_set=subset),
+              np.full(3, root, np.int32), np.int32)
+    krj.remove_process_set(subset)
+
+
 def check_errors():
     """Bad input fails on every rank, naming the tensor and what each rank sent."""
     try:
@@ -335,7 +356,8 @@ def check_errors():
 
 for section in (check_allreduce, check_grouped_allreduce, check_allgather,
                 check_grouped_allgather, check_broadcast, check_reducescatter, check_alltoall,
-                check_gradients, check_pytrees, check_names_used_again, check_errors):
+                check_gradients, check_pytrees, check_names_used_again, check_process_set,
+                check_errors):
     section()
 
 krj.shutdown()
