@@ -18,10 +18,11 @@ import sys
 import threading
 import time
 import traceback
-import zlib
 
 import numpy as np
+import references
 import tensorflow as tf
+from references import BIG, POSTSCALE, PRESCALE, SIZES
 
 # Up to 3 ranks share 2 cores.
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -36,97 +37,31 @@ DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf
 # Moved unchanged by allgather, broadcast and alltoall; not reduced.
 MOVED_DTYPES = [tf.int16, tf.uint16, tf.bool]
 OPS = {"Average": kr.Average, "Sum": kr.Sum, "Min": kr.Min, "Max": kr.Max, "Product": kr.Product}
-SIZES = [0, 1, 7, 1001]
-BIG = 4 * 1024 * 1024 + 3  # ~16 MiB of 4-byte elements, not divisible by 2 or 3
 BIG_DTYPES = (tf.float32, tf.int32)
 BIG_MOVED_DTYPES = (tf.float32, tf.int16, tf.bool)  # the collectives that move bytes
-# Exact in float32, the type of the scale attrs.
-PRESCALE, POSTSCALE = 0.5, 2.5
-TOLERANCE = {tf.float16: 1e-3, tf.bfloat16: 1e-2, tf.float32: 1e-6, tf.float64: 1e-12}
 MODES = ("eager", "function")
 
 RANK = SIZE = None
 failures = []
+checker = references.Checker(None)
+checker.failures = failures  # one list for the checks here and those of the references
 
 
+def _numpy(dtype):
+    return np.dtype(dtype.as_numpy_dtype)
+
+
+# The NumPy references (tests/workers/references.py) on TensorFlow's dtypes.
 def inputs(rank, shape, dtype, case, small):
-    """Rank `rank`'s input for `case`, identical on every rank that asks.
-
-    Integers span their whole range (to exercise wrap-around) unless `small`;
-    floats and small integers are integer-valued and small, so sums, products
-    and extrema are exact in every dtype, and scaled integers stay in range.
-    """
-    rng = np.random.default_rng([zlib.crc32(f"{case}/{dtype.name}".encode()), rank])
-    np_dtype = dtype.as_numpy_dtype
-    if dtype == tf.bool:
-        return rng.integers(0, 1, size=shape, endpoint=True).astype(bool)
-    if dtype.is_integer and not small:
-        return rng.integers(dtype.min, dtype.max, size=shape, dtype=np_dtype, endpoint=True)
-    low = 0 if dtype.is_unsigned else (-3 if "Product" in case else -8)
-    high = 3 if "Product" in case else 8
-    return rng.integers(low, high, size=shape, endpoint=True).astype(np_dtype)
-
-
-def saturate(values, dtype):
-    """float64 -> integer dtype as the engine converts: truncated, saturated, NaN to 0."""
-    info = np.iinfo(dtype.as_numpy_dtype)
-    above = float(info.max) + 1.0  # a power of two, exact
-    out = np.full(values.shape, info.min, dtype=dtype.as_numpy_dtype)
-    inside = (values < above) & (values > float(info.min) - 1.0)
-    out[inside] = np.trunc(values[inside]).astype(dtype.as_numpy_dtype)
-    out[values >= above] = info.max
-    out[np.isnan(values)] = 0
-    return out
-
-
-def scale(x, factor, dtype):
-    """The engine's scaling: in float64 (float32 for half types)."""
-    if factor == 1.0:
-        return x
-    if dtype.is_integer:
-        return saturate(x.astype(np.float64) * factor, dtype)
-    if dtype in (tf.float16, tf.bfloat16):
-        return (x.astype(np.float32) * np.float32(factor)).astype(x.dtype)
-    return (x.astype(np.float64) * factor).astype(x.dtype)
+    return references.inputs(rank, shape, _numpy(dtype), case, small)
 
 
 def reduce_reference(xs, dtype, op, prescale, postscale):
-    xs = [scale(x, prescale, dtype) for x in xs]
-    combine = {
-        "Average": np.add,
-        "Sum": np.add,
-        "Min": np.minimum,
-        "Max": np.maximum,
-        "Product": np.multiply,
-    }[op]
-    if dtype.is_integer:
-        result = functools.reduce(combine, xs)  # wraps around like the engine
-    else:
-        # Exact in float64 for these inputs, hence equal to any ring order.
-        result = functools.reduce(combine, [x.astype(np.float64) for x in xs]).astype(xs[0].dtype)
-    factor = postscale * (1.0 / len(xs)) if op == "Average" else postscale
-    return scale(result, factor, dtype)
+    return references.reduce_reference(xs, _numpy(dtype), op, prescale, postscale)
 
 
 def check(what, actual, expected, dtype):
-    actual = np.asarray(actual)
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        ok = False
-    elif not dtype.is_floating:
-        ok = np.array_equal(actual, expected)
-    else:
-        tol = TOLERANCE[dtype]
-        ok = np.allclose(actual.astype(np.float64), expected.astype(np.float64), rtol=tol, atol=tol)
-    if not ok:
-        diff = (
-            "shape/dtype"
-            if actual.shape != expected.shape
-            else np.flatnonzero(actual.astype(np.float64) != expected.astype(np.float64))[:5]
-        )
-        failures.append(
-            f"rank {RANK}: {what}: got {actual.dtype}{actual.shape} {actual.ravel()[:6]}, "
-            f"expected {expected.dtype}{expected.shape} {expected.ravel()[:6]} (differs at {diff})"
-        )
+    checker(what, actual, expected, _numpy(dtype))
 
 
 def run(mode, fn, *args):
@@ -219,14 +154,11 @@ def check_broadcast():
 
 
 def split_bounds(rows):
-    """Reducescatter's split of `rows` rows: the first rows % SIZE ranks get one row more."""
-    return np.cumsum([0] + [rows // SIZE + (r < rows % SIZE) for r in range(SIZE)])
+    return references.split_bounds(rows, SIZE)
 
 
 def scatter_reference(xs, dtype, op, prescale, postscale):
-    """This rank's rows of the reduction of xs."""
-    bounds = split_bounds(xs[0].shape[0])
-    return reduce_reference(xs, dtype, op, prescale, postscale)[bounds[RANK] : bounds[RANK + 1]]
+    return references.scatter_reference(xs, _numpy(dtype), op, prescale, postscale, RANK)
 
 
 def check_reducescatter():
@@ -302,25 +234,11 @@ def check_grouped_allgather():
 
 
 def alltoall_splits(rank, case):
-    """Rank `rank`'s splits in `case`: rows for each rank (None: an even split of 3 each)."""
-    return {
-        "even": [2] * SIZE,
-        "uneven": [(rank + 2 * j) % 4 for j in range(SIZE)],
-        "zeros": [0] * SIZE,
-        "one-sender": [5 if rank == 1 else 0 for _ in range(SIZE)],
-        "none": None,
-    }[case]
+    return references.alltoall_splits(rank, SIZE, case)
 
 
 def alltoall_reference(xs, case):
-    """What this rank receives from ranks sending xs, and how many rows from each."""
-    parts, received = [], []
-    for r, x in enumerate(xs):
-        splits = alltoall_splits(r, case) or [3] * SIZE
-        start = sum(splits[:RANK])
-        parts.append(x[start : start + splits[RANK]])
-        received.append(splits[RANK])
-    return np.concatenate(parts), np.array(received, np.int32)
+    return references.alltoall_reference(xs, case, RANK)
 
 
 def check_alltoall():
@@ -810,6 +728,7 @@ def main():
     global RANK, SIZE
     kr.init()
     RANK, SIZE = kr.rank(), kr.size()
+    checker.rank = RANK
     start = time.time()
     try:
         for check_all in (
