@@ -71,6 +71,11 @@ class BF16Compressor(_CastCompressor):
     wire_dtype = "bfloat16"
 
 
+# The built-in compressors whose casts the engine does itself for float32 and
+# float64 tensors, by their kr_compression code (c_api.h).
+ENGINE_CODES = {FP16Compressor: 1, BF16Compressor: 2}
+
+
 class Compression:
     """The compressors that gradient reductions accept, as in Horovod.
 

@@ -39,7 +39,7 @@ _MOVED_DTYPES = (tf.int16, tf.uint16, tf.bool)
 # The built-in compressors whose casts the engine does itself for float32 and
 # float64 tensors, as it copies them into and out of its buffers: no cast ops,
 # no extra copies. Other compressors (and other dtypes) run in the graph.
-_ENGINE_COMPRESSION = {_compression.FP16Compressor: 1, _compression.BF16Compressor: 2}
+_ENGINE_COMPRESSION = _compression.ENGINE_CODES
 _ENGINE_COMPRESSIBLE = (tf.float32, tf.float64)
 _IN_ENGINE = object()  # marks a tensor the engine converts
 

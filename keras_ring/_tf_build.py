@@ -10,7 +10,6 @@ import threading
 import tensorflow as tf
 
 from keras_ring import _op_build
-from keras_ring._op_build import cache_dir  # noqa: F401  (the cache, for tests and tools)
 
 _loaded = None
 _load_lock = threading.Lock()

@@ -42,8 +42,7 @@ _REDUCED_DTYPES = tuple(
 )
 _MOVED_DTYPES = tuple(np.dtype(d) for d in ("int16", "uint16", "bool"))
 _FLOAT_DTYPES = _REDUCED_DTYPES[:4]
-# The compressors whose casts the engine does itself for float32 and float64.
-_ENGINE_COMPRESSION = {_compression.FP16Compressor: 1, _compression.BF16Compressor: 2}
+_ENGINE_COMPRESSION = _compression.ENGINE_CODES
 
 # Names of collectives traced without one: "jax.<kind>.<n>".
 _traced = itertools.count()
