@@ -24,7 +24,7 @@ from _timing import median_seconds  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import keras_ring as kr  # noqa: E402
-from keras_ring import _engine  # noqa: E402
+from keras_ring.core import _engine  # noqa: E402
 
 ALGORITHMS = {"ring": 0, "recursive doubling": 1 << 40}
 

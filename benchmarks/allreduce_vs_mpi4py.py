@@ -34,8 +34,8 @@ from _timing import median_seconds  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (initialises MPI before keras-ring, which then shares it)
 
 import keras_ring as kr  # noqa: E402
-from keras_ring import _engine  # noqa: E402
-from keras_ring._rendezvous import RendezvousServer  # noqa: E402
+from keras_ring.core import _engine  # noqa: E402
+from keras_ring.core._rendezvous import RendezvousServer  # noqa: E402
 
 TCP_WORLD_VARIABLES = ("KERAS_RING_TRANSPORT", "KERAS_RING_RANK", "KERAS_RING_SIZE",
                        "KERAS_RING_RENDEZVOUS", "KERAS_RING_SECRET")

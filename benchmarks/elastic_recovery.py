@@ -42,7 +42,7 @@ def worker(log_dir, epochs, elastic):
     import keras
 
     import keras_ring as kr
-    from keras_ring import _elastic_world
+    from keras_ring.core import _elastic_world
 
     kr.init()
     name = os.environ.get("KERAS_RING_WORKER", f"rank{kr.rank()}").replace(":", "_")

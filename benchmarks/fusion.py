@@ -33,7 +33,7 @@ from _timing import median_seconds  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (initialises MPI first; keras-ring shares it)
 
 import keras_ring as kr  # noqa: E402
-from keras_ring import _engine  # noqa: E402
+from keras_ring.core import _engine  # noqa: E402
 
 CASES = [(100, 4096), (1000, 1024)]
 ENGINE_GROUP = "keras-ring engine alone, one group"

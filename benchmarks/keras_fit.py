@@ -81,7 +81,7 @@ def worker(args):
             if batch == args.warmup:
                 self.start = time.perf_counter()
                 if distributed:  # the settings the timed steps start with
-                    from keras_ring import _engine
+                    from keras_ring.core import _engine
 
                     self.parameters = _engine.parameters()
 
@@ -97,7 +97,7 @@ def worker(args):
         total = float(sum(kr.allgather_object(per_rank)))
     result = {"ranks": size, "samples_per_s": total, "samples_per_s_per_rank": total / size}
     if distributed:
-        from keras_ring import _engine
+        from keras_ring.core import _engine
 
         result["parameters"] = _engine.parameters()  # the settings in use at the end
         result["parameters_at_start"] = timer.parameters

@@ -21,7 +21,7 @@ import numpy as np
 from _report import save_plot, write_results
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 LEVELS = ["generic", "avx2", "avx512"]
 DTYPES = {

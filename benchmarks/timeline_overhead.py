@@ -22,7 +22,7 @@ from _report import save_plot, write_results
 from mpi4py import MPI  # initialises MPI first; keras-ring shares it
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 CASES = [(1, 4096), (100, 4096), (1000, 1024), (1, 16 << 20)]
 

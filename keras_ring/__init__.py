@@ -14,7 +14,7 @@ layer runs under either Keras backend.
 import importlib
 import sys
 
-from keras_ring._basics import (
+from keras_ring.core._basics import (
     ccl_built,
     cross_rank,
     cross_size,
@@ -22,7 +22,6 @@ from keras_ring._basics import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -33,23 +32,24 @@ from keras_ring._basics import (
     nccl_built,
     rank,
     rocm_built,
-    shutdown,
     size,
 )
-from keras_ring._objects import (
+from keras_ring.core._lifecycle import init, shutdown
+from keras_ring.core._objects import (
     allgather_object,
     barrier,
     broadcast_object,
     broadcast_object_fn,
     join,
 )
-from keras_ring._process_sets import (
+from keras_ring.core._process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
 )
-from keras_ring._reduce_ops import Adasum, Average, Max, Min, Product, Sum
+from keras_ring.core._reduce_ops import Adasum, Average, Max, Min, Product, Sum
+from keras_ring.core._timeline import start_timeline, stop_timeline
 
 __version__ = "0.1.0.dev0"
 
@@ -57,46 +57,44 @@ __version__ = "0.1.0.dev0"
 # importing them takes seconds, so it happens on first use (`kr.allreduce`),
 # and the launcher and `kr.init()` stay fast. Name -> the module that defines it.
 _LAZY = {
-    "allreduce": "keras_ring._ops",
-    "grouped_allreduce": "keras_ring._ops",
-    "allgather": "keras_ring._ops",
-    "grouped_allgather": "keras_ring._ops",
-    "broadcast": "keras_ring._ops",
-    "reducescatter": "keras_ring._ops",
-    "grouped_reducescatter": "keras_ring._ops",
-    "alltoall": "keras_ring._ops",
-    "broadcast_variables": "keras_ring._ops",
-    "broadcast_": "keras_ring._ops",
-    "broadcast_global_variables": "keras_ring._ops",
-    "size_op": "keras_ring._ops",
-    "local_size_op": "keras_ring._ops",
-    "rank_op": "keras_ring._ops",
-    "local_rank_op": "keras_ring._ops",
-    "process_set_included_op": "keras_ring._ops",
-    "Compression": "keras_ring._compression",
-    "DistributedOptimizer": "keras_ring._optimizer",
-    "PartialDistributedOptimizer": "keras_ring._optimizer",
-    "load_model": "keras_ring._optimizer",
-    "DistributedGradientTape": "keras_ring._gradient_tape",
-    "PartialDistributedGradientTape": "keras_ring._gradient_tape",
-    "SyncBatchNormalization": "keras_ring._sync_batch_norm",
-    "shard_dataset": "keras_ring._data",
-    "shard_arrays": "keras_ring._data",
-    "shard_py_dataset": "keras_ring._data",
-    "rank_zero_verbose": "keras_ring._data",
-    "unshard": "keras_ring._data",
-    "evaluate": "keras_ring._evaluate",
-    "run": "keras_ring._run",
-    # Lazy too, so that `python -m keras_ring.timeline` runs a module not yet imported.
-    "start_timeline": "keras_ring.timeline",
-    "stop_timeline": "keras_ring.timeline",
+    "allreduce": "keras_ring.tensorflow._ops",
+    "grouped_allreduce": "keras_ring.tensorflow._ops",
+    "allgather": "keras_ring.tensorflow._ops",
+    "grouped_allgather": "keras_ring.tensorflow._ops",
+    "broadcast": "keras_ring.tensorflow._ops",
+    "reducescatter": "keras_ring.tensorflow._ops",
+    "grouped_reducescatter": "keras_ring.tensorflow._ops",
+    "alltoall": "keras_ring.tensorflow._ops",
+    "broadcast_variables": "keras_ring.tensorflow._ops",
+    "broadcast_": "keras_ring.tensorflow._ops",
+    "broadcast_global_variables": "keras_ring.tensorflow._ops",
+    "size_op": "keras_ring.tensorflow._ops",
+    "local_size_op": "keras_ring.tensorflow._ops",
+    "rank_op": "keras_ring.tensorflow._ops",
+    "local_rank_op": "keras_ring.tensorflow._ops",
+    "process_set_included_op": "keras_ring.tensorflow._ops",
+    "Compression": "keras_ring.core._compression",
+    "DistributedOptimizer": "keras_ring.keras._optimizer",
+    "PartialDistributedOptimizer": "keras_ring.keras._optimizer",
+    "load_model": "keras_ring.keras._optimizer",
+    "DistributedGradientTape": "keras_ring.keras._gradient_tape",
+    "PartialDistributedGradientTape": "keras_ring.keras._gradient_tape",
+    "SyncBatchNormalization": "keras_ring.keras._sync_batch_norm",
+    "shard_dataset": "keras_ring.keras._data",
+    "shard_arrays": "keras_ring.keras._data",
+    "shard_py_dataset": "keras_ring.keras._data",
+    "rank_zero_verbose": "keras_ring.keras._data",
+    "unshard": "keras_ring.keras._data",
+    "evaluate": "keras_ring.keras._evaluate",
+    "run": "keras_ring.launcher._run",
 }
 
 # What to use instead of a name that needs TensorFlow, where it is not installed.
 _TF_ALTERNATIVES = {
-    "keras_ring._ops": "on JAX, keras_ring.jax has the same collectives on jax.Arrays",
-    "keras_ring._gradient_tape": "with Keras on any backend, kr.DistributedOptimizer reduces "
-    "the gradients in model.fit; in a jax.jit step of your own, "
+    "keras_ring.tensorflow._ops": "on JAX, keras_ring.jax has the same collectives on "
+    "jax.Arrays",
+    "keras_ring.keras._gradient_tape": "with Keras on any backend, kr.DistributedOptimizer "
+    "reduces the gradients in model.fit; in a jax.jit step of your own, "
     "keras_ring.jax.allreduce_gradients",
 }
 
@@ -110,14 +108,14 @@ __all__ = [
     "nccl_built", "rank", "shutdown", "size", "callbacks", "elastic", "broadcast_object",
     "allgather_object", "barrier", "join", "broadcast_object_fn", "gloo_built", "gloo_enabled",
     "ccl_built", "ddl_built", "rocm_built", "ProcessSet", "add_process_set",
-    "global_process_set", "remove_process_set", *_LAZY,
+    "global_process_set", "remove_process_set", "start_timeline", "stop_timeline", *_LAZY,
 ]
 
 
 # With Keras already loaded, registering keras-ring's layers costs nothing, and
 # keras.models.load_model then finds them in saved models.
 if "keras" in sys.modules:
-    importlib.import_module("keras_ring._sync_batch_norm")
+    importlib.import_module("keras_ring.keras._sync_batch_norm")
 
 
 def __getattr__(name):

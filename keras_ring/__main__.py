@@ -2,7 +2,7 @@
 
 import sys
 
-from keras_ring._launcher import main
+from keras_ring.launcher._main import main
 
 if __name__ == "__main__":
     sys.exit(main())

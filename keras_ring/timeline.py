@@ -20,88 +20,19 @@ import argparse
 import json
 import os
 import re
-import sys
 
-from keras_ring import _basics
+from keras_ring.core._timeline import file_stem, rank_file, start_timeline, stop_timeline
+
+__all__ = ["PHASES", "load", "main", "merge", "plot", "rank_file", "rank_files", "spans",
+           "start_timeline", "stop_timeline"]
 
 # The phases the engine records inside a collective's span (docs/timeline.md).
 PHASES = ("QUEUE", "PACK", "COMMUNICATE", "UNPACK", "DONE")
-_ENVIRONMENT = ("KERAS_RING_TIMELINE", "HOROVOD_TIMELINE")
-_MARK_CYCLES_ENVIRONMENT = ("KERAS_RING_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES")
-
-
-def start_timeline(file_path, mark_cycles=False):
-    """Starts recording this rank's timeline; every rank that calls it records its own.
-
-    The events go to `rank_file(file_path, rank())` as they happen (buffered,
-    written every 100 ms by a thread of their own): per tensor, waiting for
-    the other ranks and agreement (`NEGOTIATE`), then the collective's span
-    (`ALLREDUCE`, ...) with its phases `QUEUE`, `PACK`, `COMMUNICATE`,
-    `UNPACK` and `DONE`. `stop_timeline()` or `shutdown()` ends the file;
-    `python -m keras_ring.timeline merge file_path` joins the ranks' files.
-
-    Args:
-        file_path: Where the timeline goes, before the rank is added
-            (`trace.json` gives `trace.rank0.json` on rank 0).
-        mark_cycles: Also mark every engine cycle that submitted or ran
-            something (`CYCLE` marks).
-
-    Raises:
-        ValueError: if keras-ring is not initialised, a timeline is already
-            being recorded, or the file cannot be created.
-
-    Example:
-
-    ```python
-    kr.init()
-    kr.start_timeline("/tmp/trace.json")
-    model.fit(x, y, epochs=1)
-    kr.stop_timeline()
-    ```
-    """
-    rank = _basics._require_initialized("start_timeline()")["rank"]
-    path = rank_file(os.fspath(file_path), rank)
-    try:
-        _basics._engine().start_timeline(path, bool(mark_cycles))
-    except RuntimeError as e:  # not initialised: the engine stopped by itself
-        raise ValueError(str(e)) from None
-
-
-def stop_timeline():
-    """Stops recording the timeline and closes its file (does nothing if none is recording).
-
-    Example:
-
-    ```python
-    kr.start_timeline("/tmp/trace.json")
-    train_a_few_steps()
-    kr.stop_timeline()
-    ```
-    """
-    if "keras_ring._engine" in sys.modules:
-        _basics._engine().stop_timeline()
-
-
-def _start_from_environment():
-    """Called by `init()`: starts the timeline that the environment asks for."""
-    path = next((os.environ[v] for v in _ENVIRONMENT if os.environ.get(v)), None)
-    if path:
-        mark = next((os.environ[v] for v in _MARK_CYCLES_ENVIRONMENT if os.environ.get(v)), "0")
-        start_timeline(path, mark_cycles=mark.strip().lower() not in ("0", "false", ""))
-
-
-def _stem(path):
-    return path[: -len(".json")] if path.endswith(".json") else path
-
-
-def rank_file(path, rank):
-    """The file rank `rank` records into for `path`: `trace.json` -> `trace.rank0.json`."""
-    return f"{_stem(path)}.rank{rank}.json"
 
 
 def rank_files(path):
     """The ranks' files recorded for `path`, in rank order."""
-    stem = _stem(path)
+    stem = file_stem(path)
     folder = os.path.dirname(stem) or "."
     pattern = re.compile(re.escape(os.path.basename(stem)) + r"\.rank(\d+)\.json$")
     found = []
@@ -160,7 +91,7 @@ def merge(path, output=None):
             f"keras-ring: no timeline files {rank_file(path, '<r>')} (record with "
             "KERAS_RING_TIMELINE or kr.start_timeline())"
         )
-    output = output or f"{_stem(path)}.json"
+    output = output or f"{file_stem(path)}.json"
     events = [event for file in files for event in load(file)]
     with open(output, "w", encoding="utf-8") as f:
         f.write("[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in events) + "\n]\n")

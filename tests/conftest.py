@@ -29,7 +29,7 @@ def pytest_configure(config):
     import keras_ring
 
     package = os.path.dirname(keras_ring.__file__)
-    if not os.path.exists(os.path.join(package, "_build_info.json")):
+    if not os.path.exists(os.path.join(package, "core", "_build_info.json")):
         raise pytest.UsageError(
             f"the tests imported keras_ring from {package}, which is not an installed build. "
             "Install it (pip install '.[test]') and run `pytest` rather than `python -m pytest`, "

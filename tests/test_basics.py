@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import keras_ring as kr
-from keras_ring import _environment
+from keras_ring.core import _environment
 
 QUERIES = ["size", "rank", "local_rank", "local_size", "cross_rank", "cross_size",
            "is_homogeneous", "mpi_threads_supported", "mpi_enabled"]
@@ -44,7 +44,7 @@ def test_no_launcher_is_a_job_of_size_one():
 def test_init_twice_then_shutdown_and_init_again():
     result = run_python(
         "import numpy as np, keras_ring as kr\n"
-        "from keras_ring import _engine\n"
+        "from keras_ring.core import _engine\n"
         "kr.init(); kr.init()\n"
         "kr.shutdown(); assert not kr.is_initialized()\n"
         "kr.init(); assert kr.is_initialized()\n"
@@ -71,7 +71,7 @@ def test_init_rejects_bad_settings(argument, value):
 def test_init_settings_reach_the_engine_and_leave_the_environment_alone():
     result = run_python(
         "import os, numpy as np, keras_ring as kr\n"
-        "from keras_ring import _engine\n"
+        "from keras_ring.core import _engine\n"
         "kr.init(fusion_threshold=1 << 20, cycle_time=0.5, stall_check_time=30)\n"
         "print(_engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), 'x').wait())\n"
         "p = _engine.parameters()\n"
@@ -132,7 +132,7 @@ def test_init_rejects_unsupported_arguments():
 def test_engine_refuses_requests_before_init():
     result = run_python(
         "import numpy as np\n"
-        "from keras_ring import _engine\n"
+        "from keras_ring.core import _engine\n"
         "_engine.submit(_engine.ALLREDUCE, np.ones(3, np.float32), 'x').wait()\n"
     )
     assert result.returncode != 0
@@ -142,7 +142,7 @@ def test_engine_refuses_requests_before_init():
 def test_importing_the_source_tree_says_so():
     # `python -c` in the clone's root imports the unbuilt keras_ring there.
     root = pathlib.Path(__file__).resolve().parents[1]
-    if (root / "keras_ring" / "_build_info.json").exists():
+    if (root / "keras_ring" / "core" / "_build_info.json").exists():
         pytest.skip(f"{root} holds a built keras_ring")
     result = subprocess.run(
         [sys.executable, "-c", "import keras_ring as kr; kr.init()"],

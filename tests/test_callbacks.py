@@ -1,7 +1,7 @@
 """keras_ring.callbacks and the data helpers in one process (a job of size 1, no launcher).
 
 What depends on the job's size or this process's rank is tested by patching
-`keras_ring._basics.size` / `rank`, which the library reads when it runs;
+`keras_ring.core._basics.size` / `rank`, which the library reads when it runs;
 tests/workers/callbacks_worker.py checks the communicating callbacks across
 real ranks.
 """
@@ -16,7 +16,7 @@ import tensorflow as tf
 from workers.interrupt_callback import Interrupt
 
 import keras_ring as kr
-from keras_ring import _basics
+from keras_ring.core import _basics
 
 STEPS = 5  # per epoch
 BATCH = 4

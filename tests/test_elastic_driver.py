@@ -1,6 +1,7 @@
-"""The elastic driver (keras_ring/_elastic_driver.py): its decisions, fed with events and a clock
-(no process), its options, and whole jobs of fake workers (tests/workers/elastic_fake_worker.py:
-the store protocol, no TensorFlow, no engine) that finish, lose a worker, hang, grow and shrink.
+"""The elastic driver (keras_ring/launcher/_elastic_driver.py): its decisions, fed with events
+and a clock (no process), its options, and whole jobs of fake workers
+(tests/workers/elastic_fake_worker.py: the store protocol, no TensorFlow, no engine) that finish,
+lose a worker, hang, grow and shrink.
 """
 
 import contextlib
@@ -16,9 +17,9 @@ import time
 import pytest
 from netns_hosts import IFACE
 
-from keras_ring import _elastic_driver, _launcher
-from keras_ring._elastic_driver import Answer, HostsUpdated, Policy, Say, Signal, Start
-from keras_ring._tcp_jobs import GRACE_SECONDS, REPORT_SECONDS
+from keras_ring.launcher import _base, _elastic_driver, _main
+from keras_ring.launcher._elastic_driver import Answer, HostsUpdated, Policy, Say, Signal, Start
+from keras_ring.launcher._tcp_jobs import GRACE_SECONDS, REPORT_SECONDS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -396,7 +397,7 @@ def test_repeated_and_unknown_requests():
 
 
 def parse(*argv, environ=None):
-    return _launcher.parse_args([*argv, "python", "train.py"], environ=environ or {})
+    return _main.parse_args([*argv, "python", "train.py"], environ=environ or {})
 
 
 def test_horovods_spellings():
@@ -438,13 +439,13 @@ def test_elastic_defaults():
     (["--elastic", "-np", "2", "--elastic-timeout", "0"], "Received: --elastic-timeout=0"),
 ])
 def test_bad_elastic_options_are_explained_with_exit_code_2(capfd, argv, message):
-    assert _launcher.main([*argv, "ls"]) == 2
+    assert _main.main([*argv, "ls"]) == 2
     err = capfd.readouterr().err
     assert err.startswith("keras-ring-run: ") and message in err, err
 
 
 def test_bad_elastic_timeout_variable_is_explained():
-    with pytest.raises(_launcher.LaunchError, match=r"Received: KERAS_RING_ELASTIC_TIMEOUT "
+    with pytest.raises(_base.LaunchError, match=r"Received: KERAS_RING_ELASTIC_TIMEOUT "
                        r"\(or HOROVOD_ELASTIC_TIMEOUT\)=soon"):
         parse("--elastic", "-np", "2", environ={"KERAS_RING_ELASTIC_TIMEOUT": "soon"})
 
@@ -452,7 +453,7 @@ def test_bad_elastic_timeout_variable_is_explained():
 def test_bad_engine_timeout_is_explained():
     assert _elastic_driver.read_timeout({}) == 300
     assert _elastic_driver.read_timeout({"KERAS_RING_TIMEOUT": "2.5"}) == 2.5
-    with pytest.raises(_launcher.LaunchError, match="Received: KERAS_RING_TIMEOUT=0"):
+    with pytest.raises(_base.LaunchError, match="Received: KERAS_RING_TIMEOUT=0"):
         _elastic_driver.read_timeout({"KERAS_RING_TIMEOUT": "0"})
 
 
@@ -462,7 +463,7 @@ def test_fixed_pool():
         ("localhost", 3)]
     assert _elastic_driver.fixed_pool(parse("--elastic", "-np", "2", "-H", "a:1,b:2")) == [
         ("a", 1), ("b", 2)]
-    with pytest.raises(_launcher.LaunchError, match="the hosts have 2 slots for -np 3"):
+    with pytest.raises(_base.LaunchError, match="the hosts have 2 slots for -np 3"):
         _elastic_driver.fixed_pool(parse("--elastic", "-np", "3", "-H", "a:2"))
 
 
@@ -725,10 +726,10 @@ def test_a_signal_to_the_driver_ends_every_worker(job):
 
 
 def test_a_bad_discovery_script_is_fatal_on_its_first_run(capfd):
-    assert _launcher.main(["-np", "1", "--host-discovery-script", "echo localhost", "ls"]) == 2
+    assert _main.main(["-np", "1", "--host-discovery-script", "echo localhost", "ls"]) == 2
     assert ("expected `host:slots` or `host slots=N` (a bare `host` needs --slots). Received: "
             "'localhost'") in capfd.readouterr().err
-    assert _launcher.main(["-np", "1", "--host-discovery-script", "exit 3", "ls"]) == 2
+    assert _main.main(["-np", "1", "--host-discovery-script", "exit 3", "ls"]) == 2
     assert "the host discovery script 'exit 3' exited with code 3" in capfd.readouterr().err
 
 

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ring as kr
-from keras_ring import _basics, _elastic_world, _objects
+from keras_ring.core import _basics, _elastic_world, _lifecycle, _objects
 from keras_ring.elastic import _run
 
 STEPS = 5  # per epoch
@@ -401,12 +401,12 @@ def test_reinit_keeps_the_settings_the_script_gave_init():
     kr.init(cycle_time=2, cache_capacity=16)
     try:
         _run._reinit()
-        assert _basics.given_settings == {"cycle_time": 2, "cache_capacity": 16}
+        assert _lifecycle.given_settings == {"cycle_time": 2, "cache_capacity": 16}
         assert _basics._engine().parameters()["cycle_time_ms"] == 2
     finally:
         kr.shutdown()
         kr.init()
-    assert _basics.given_settings == {}
+    assert _lifecycle.given_settings == {}
 
 
 def test_horovod_names():

@@ -1,4 +1,4 @@
-"""A worker's side of an elastic job (keras_ring/_elastic_world.py), with the test as its driver.
+"""A worker's side of an elastic job (keras_ring/core/_elastic_world.py), the test its driver.
 
 The driver's side is tested in test_elastic_driver.py; here the test writes
 the driver's answers into a real rendezvous store itself, so that what a
@@ -18,7 +18,7 @@ import time
 import pytest
 from conftest import RANK_THREAD_ENV
 
-from keras_ring._rendezvous import RendezvousClient, RendezvousServer
+from keras_ring.core._rendezvous import RendezvousClient, RendezvousServer
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 

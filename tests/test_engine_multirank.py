@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import run_job
 
-from keras_ring._launcher import forker_segment_paths
+from keras_ring.launcher._main import forker_segment_paths
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_worker.py")
 # A fault at 3 ranks has a culprit, the coordinator and a bystander; 2 ranks add no case.

@@ -65,7 +65,7 @@ def test_keras_ring_build_builds_the_jax_adapter(tmp_path):
 def test_a_jax_runtime_error_of_a_lost_worker_is_recognised():
     import jax
 
-    from keras_ring import _errors
+    from keras_ring.core import _errors
 
     lost = _errors.worker_lost(jax.errors.JaxRuntimeError(
         "UNAVAILABLE: keras-ring: rank 1 died during allreduce of 'x'"))

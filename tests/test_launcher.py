@@ -1,4 +1,4 @@
-"""keras-ring-run (keras_ring/_launcher.py) and the launcher checks in keras_ring/_mpi_env.py."""
+"""keras-ring-run (keras_ring/launcher/_main.py) and its checks in keras_ring/core/_mpi_env.py."""
 
 import io
 import json
@@ -11,15 +11,16 @@ import sys
 
 import pytest
 
-from keras_ring import _end_report, _launcher, _mpi_env
+from keras_ring.core import _build_info, _end_report, _mpi_env
+from keras_ring.launcher import _base, _main
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 
 COMMAND = ["python", "train.py"]
-HYDRA = _launcher.Launcher("/mpi/bin/mpiexec", "MPICH")
-MPICH_WITH_FORKER = _launcher.Launcher("/mpi/bin/mpiexec", "MPICH", "/mpi/bin/mpiexec.gforker")
-OPEN_MPI = _launcher.Launcher("/ompi/bin/mpirun", "Open MPI")
-INTEL = _launcher.Launcher("/impi/bin/mpiexec", "Intel MPI")
+HYDRA = _main.Launcher("/mpi/bin/mpiexec", "MPICH")
+MPICH_WITH_FORKER = _main.Launcher("/mpi/bin/mpiexec", "MPICH", "/mpi/bin/mpiexec.gforker")
+OPEN_MPI = _main.Launcher("/ompi/bin/mpirun", "Open MPI")
+INTEL = _main.Launcher("/impi/bin/mpiexec", "Intel MPI")
 VERSION_TEXT = {
     "MPICH": "HYDRA build details:\n    Version: 4.2.0",
     "Open MPI": "mpirun (Open MPI) 5.0.3",
@@ -28,13 +29,13 @@ VERSION_TEXT = {
 
 
 def options(*argv, environ=None):
-    return _launcher.parse_args([*argv, *COMMAND], environ=environ or {})
+    return _main.parse_args([*argv, *COMMAND], environ=environ or {})
 
 
 def write_build_info(monkeypatch, tmp_path, **info):
     path = tmp_path / "_build_info.json"
-    path.write_text(json.dumps({**_launcher._DEFAULT_BUILD_INFO, **info}))
-    monkeypatch.setattr(_launcher, "_BUILD_INFO_PATH", path)
+    path.write_text(json.dumps({**_build_info._DEFAULT_BUILD_INFO, **info}))
+    monkeypatch.setattr(_build_info, "_BUILD_INFO_PATH", path)
 
 
 def write_fake_launcher(path, version_text, stderr_text="", exit_code=3):
@@ -53,7 +54,7 @@ def write_fake_launcher(path, version_text, stderr_text="", exit_code=3):
 
 
 def run_main(capfd, *argv):
-    code = _launcher.main(list(argv))
+    code = _main.main(list(argv))
     return code, capfd.readouterr().err
 
 
@@ -107,7 +108,7 @@ def test_horovodrun_settings_become_engine_variables(argv, variables):
     parsed = options("-np", "2", *argv)
     assert parsed.settings == variables
     # Over the same variables inherited from the shell.
-    env = _launcher.launcher_env(HYDRA, parsed, {name: "inherited" for name in variables})
+    env = _main.launcher_env(HYDRA, parsed, {name: "inherited" for name in variables})
     assert {name: env[name] for name in variables} == variables
 
 
@@ -132,7 +133,7 @@ def test_bad_settings_are_explained_with_exit_code_2(capfd, argv, message):
 
 
 def test_command_may_follow_a_double_dash():
-    parsed = _launcher.parse_args(["-np", "2", "--", "python", "-H", "x.py"])
+    parsed = _main.parse_args(["-np", "2", "--", "python", "-H", "x.py"])
     assert parsed.command == ["python", "-H", "x.py"]
     assert parsed.hosts is None
 
@@ -143,15 +144,15 @@ def test_command_may_follow_a_double_dash():
 def test_one_host_mpich_job_runs_under_the_forker():
     # Each rank starts through _rank_output.py, which hands it our output; the
     # prefixes are ours too (the forker's -l would copy the output itself).
-    shim = [sys.executable, "-I", "-S", str(_launcher._RANK_OUTPUT_SCRIPT)]
+    shim = [sys.executable, "-I", "-S", str(_main._RANK_OUTPUT_SCRIPT)]
     for argv in (["-np", "2"], ["-np", "2", "--prefix-output"]):
-        assert _launcher.launcher_command(MPICH_WITH_FORKER, options(*argv), {}) == [
+        assert _main.launcher_command(MPICH_WITH_FORKER, options(*argv), {}) == [
             "/mpi/bin/mpiexec.gforker", "-n", "2", *shim, *COMMAND,
         ]
 
 
 def test_one_host_hydra_job_stays_on_loopback():
-    assert _launcher.launcher_command(HYDRA, options("-np", "2", "--prefix-output"), {}) == [
+    assert _main.launcher_command(HYDRA, options("-np", "2", "--prefix-output"), {}) == [
         "/mpi/bin/mpiexec",
         "-hosts",
         "localhost",
@@ -176,7 +177,7 @@ class _Destination:
 
 def test_prefixed_rank_output_keeps_lines_whole_and_prefixes_redrawn_lines():
     dest = _Destination()
-    stream = _launcher._RankStream(-1, dest, "[3] ", quiet=False)
+    stream = _base.RankStream(-1, dest, "[3] ", quiet=False)
     assert stream.feed(b"a\nb")  # "b" waits for the rest of its line
     assert dest.buffer.getvalue() == b"[3] a\n"
     stream.feed(b"c\r\n")  # one line ending, not a redraw
@@ -192,7 +193,7 @@ def test_prefixed_rank_output_keeps_lines_whole_and_prefixes_redrawn_lines():
 
 def test_quiet_rank_output_leaves_out_only_whole_start_up_lines():
     dest = _Destination()
-    stream = _launcher._RankStream(-1, dest, "", quiet=True)
+    stream = _base.RankStream(-1, dest, "", quiet=True)
     notice = START_UP_NOTICE
     stream.feed(notice + b"\nI0000 00:00:1796176450.224693    5878 cudart_stub.cc:31] Could not")
     stream.feed(b" find cuda drivers on your machine, GPU will not be used.\r\n")
@@ -216,7 +217,7 @@ def test_rank_output_writes_each_line_at_once():
             def flush():
                 pass
 
-    stream = _launcher._RankStream(-1, Writes, "", quiet=True)
+    stream = _base.RankStream(-1, Writes, "", quiet=True)
     stream.feed(b"a\n" + START_UP_NOTICE + b"\nb\r2/2\n")
     assert Writes.buffer.written == [b"a\n", b"b\r", b"2/2\n"]
 
@@ -227,21 +228,21 @@ def test_prefixed_rank_output_tells_when_its_reader_has_gone():
             def write(data):
                 raise BrokenPipeError
 
-    assert not _launcher._RankStream(-1, Closed, "[0] ", quiet=False).feed(b"line\n")
+    assert not _base.RankStream(-1, Closed, "[0] ", quiet=False).feed(b"line\n")
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", socket.gethostname()])
 def test_local_hosts_make_a_one_host_job(host):
-    argv = _launcher.launcher_command(MPICH_WITH_FORKER, options("-np", "2", "-H", f"{host}:2"), {})
+    argv = _main.launcher_command(MPICH_WITH_FORKER, options("-np", "2", "-H", f"{host}:2"), {})
     assert argv[0] == "/mpi/bin/mpiexec.gforker"
 
 
 @pytest.mark.parametrize("launcher", [HYDRA, MPICH_WITH_FORKER, INTEL])
 def test_multi_host_hydra_job(launcher):
-    assert _launcher.launcher_command(
+    assert _main.launcher_command(
         launcher, options("-np", "3", "-H", "a:2,b", "--prefix-output"), {}
     ) == [launcher.path, "-hosts", "a:2,b:1", "-prepend-rank", "-np", "3", *COMMAND]
-    assert _launcher.launcher_command(launcher, options("-np", "4", "--hostfile", "hosts"), {}) == [
+    assert _main.launcher_command(launcher, options("-np", "4", "--hostfile", "hosts"), {}) == [
         launcher.path,
         "-f",
         "hosts",
@@ -257,16 +258,16 @@ def test_remote_shell_of_a_multi_host_hydra_job(launcher, tmp_path):
     expected = [launcher.path, "-hosts", "a:2,b:2", "-launcher", "ssh", "-launcher-exec", str(rsh),
                 "-np", "4", *COMMAND]
     parsed = options("-np", "4", "-H", "a:2,b:2", "--remote-shell", str(rsh))
-    assert _launcher.launcher_command(launcher, parsed, {}) == expected
+    assert _main.launcher_command(launcher, parsed, {}) == expected
     # From the environment, found on the job's PATH; the option wins over the variable.
     parsed = options("-np", "4", "-H", "a:2,b:2", environ={"KERAS_RING_REMOTE_SHELL": "rsh"})
     assert parsed.remote_shell == "rsh"
-    assert _launcher.launcher_command(launcher, parsed, {"PATH": str(tmp_path)}) == [
+    assert _main.launcher_command(launcher, parsed, {"PATH": str(tmp_path)}) == [
         *expected[:6], "rsh", *expected[7:]]
     parsed = options("-np", "4", "-H", "a:2,b:2", "--remote-shell", "sh",
                      environ={"KERAS_RING_REMOTE_SHELL": "rsh"})
     assert parsed.remote_shell == "sh"
-    argv = _launcher.launcher_command(launcher, options(
+    argv = _main.launcher_command(launcher, options(
         "-np", "4", "--hostfile", "hosts", "--remote-shell", str(rsh), "--prefix-output"), {})
     assert argv == [launcher.path, "-f", "hosts", "-launcher", "ssh", "-launcher-exec", str(rsh),
                     "-prepend-rank", "-np", "4", *COMMAND]
@@ -276,20 +277,20 @@ def test_remote_shell_without_one_is_the_launchers_default_and_unused_on_one_hos
     for environ in ({}, {"KERAS_RING_REMOTE_SHELL": ""}):
         parsed = options("-np", "2", "-H", "a,b", environ=environ)
         assert parsed.remote_shell is None
-        assert "-launcher" not in _launcher.launcher_command(HYDRA, parsed, {})
+        assert "-launcher" not in _main.launcher_command(HYDRA, parsed, {})
     # A one-host job starts no remote shell: the forker, or Hydra on loopback.
     parsed = options("-np", "2", "--remote-shell", "/no/such/rsh")
-    assert _launcher.launcher_command(MPICH_WITH_FORKER, parsed, {})[0] == MPICH_WITH_FORKER.forker
-    assert "-launcher" not in _launcher.launcher_command(HYDRA, parsed, {})
+    assert _main.launcher_command(MPICH_WITH_FORKER, parsed, {})[0] == MPICH_WITH_FORKER.forker
+    assert "-launcher" not in _main.launcher_command(HYDRA, parsed, {})
 
 
 def test_remote_shell_of_other_mpis(tmp_path):
     rsh = str(write_fake_launcher(tmp_path / "rsh", ""))
-    argv = _launcher.launcher_command(
+    argv = _main.launcher_command(
         INTEL, options("-np", "2", "-H", "a,b", "--remote-shell", rsh), {})
     assert argv[3:7] == ["-bootstrap", "ssh", "-bootstrap-exec", rsh]
     # Open MPI splits its agent at spaces: a command with arguments is fine.
-    argv = _launcher.launcher_command(
+    argv = _main.launcher_command(
         OPEN_MPI, options("-np", "2", "-H", "a,b", "--remote-shell", "ssh -p 2222"), {})
     assert argv == ["/ompi/bin/mpirun", "-np", "2", "-H", "a:1,b:1",
                     "--mca", "plm_rsh_agent", "ssh -p 2222", *COMMAND]
@@ -316,7 +317,7 @@ def test_bad_remote_shell_is_explained_with_exit_code_2(monkeypatch, tmp_path, c
 
 
 def test_one_host_open_mpi_job():
-    assert _launcher.launcher_command(OPEN_MPI, options("-np", "2", "--prefix-output"), {}) == [
+    assert _main.launcher_command(OPEN_MPI, options("-np", "2", "--prefix-output"), {}) == [
         "/ompi/bin/mpirun",
         "-np",
         "2",
@@ -327,7 +328,7 @@ def test_one_host_open_mpi_job():
 
 def test_multi_host_open_mpi_job_exports_the_environment():
     env = {"PYTHONUNBUFFERED": "1", "MY_SETTING": "x", "PWD": "/here", "BASH_FUNC_f%%": "() {}"}
-    assert _launcher.launcher_command(OPEN_MPI, options("-np", "4", "-H", "a:2,b:2"), env) == [
+    assert _main.launcher_command(OPEN_MPI, options("-np", "4", "-H", "a:2,b:2"), env) == [
         "/ompi/bin/mpirun",
         "-np",
         "4",
@@ -339,7 +340,7 @@ def test_multi_host_open_mpi_job_exports_the_environment():
         "PYTHONUNBUFFERED",
         *COMMAND,
     ]
-    argv = _launcher.launcher_command(OPEN_MPI, options("-np", "4", "--hostfile", "hosts"), env)
+    argv = _main.launcher_command(OPEN_MPI, options("-np", "4", "--hostfile", "hosts"), env)
     assert argv[3:5] == ["--hostfile", "hosts"]
 
 
@@ -347,20 +348,20 @@ def test_multi_host_open_mpi_job_exports_the_environment():
 
 
 def test_one_host_job_environment():
-    env = _launcher.launcher_env(HYDRA, options("-np", "2"), {"UCX_NET_DEVICES": "mlx5_0:1"})
+    env = _main.launcher_env(HYDRA, options("-np", "2"), {"UCX_NET_DEVICES": "mlx5_0:1"})
     assert env["PYTHONUNBUFFERED"] == "1"
     assert env["FI_TCP_IFACE"] == env["FI_SOCKETS_IFACE"] == "lo"
     assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
 
 
 def test_multi_host_job_environment_is_not_restricted_to_loopback():
-    env = _launcher.launcher_env(HYDRA, options("-np", "2", "-H", "a,b"), {"KEEP": "1"})
+    env = _main.launcher_env(HYDRA, options("-np", "2", "-H", "a,b"), {"KEEP": "1"})
     assert env == {"KEEP": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def test_open_mpi_keeps_the_users_exclude_list():
     environ = {"OMPI_MCA_btl_tcp_if_exclude": "docker0"}
-    env = _launcher.launcher_env(OPEN_MPI, options("-np", "2"), environ)
+    env = _main.launcher_env(OPEN_MPI, options("-np", "2"), environ)
     assert "OMPI_MCA_btl_tcp_if_include" not in env
     assert env["OMPI_MCA_oob_tcp_if_include"] == env["UCX_NET_DEVICES"] == "lo"
 
@@ -369,13 +370,13 @@ def test_open_mpi_keeps_the_users_exclude_list():
 
 
 def test_missing_build_info_means_pypi_mpich(monkeypatch, tmp_path):
-    monkeypatch.setattr(_launcher, "_BUILD_INFO_PATH", tmp_path / "absent.json")
-    assert _launcher.read_build_info()["mpi_source"] == "pypi-mpich"
+    monkeypatch.setattr(_build_info, "_BUILD_INFO_PATH", tmp_path / "absent.json")
+    assert _build_info.read_build_info()["mpi_source"] == "pypi-mpich"
 
 
 def test_missing_pypi_mpich_launcher_is_explained(monkeypatch, tmp_path, capfd):
     write_build_info(monkeypatch, tmp_path, mpi_source="pypi-mpich")
-    monkeypatch.setattr(_launcher.sysconfig, "get_path", lambda name, scheme=None: str(tmp_path))
+    monkeypatch.setattr(_build_info.sysconfig, "get_path", lambda name, scheme=None: str(tmp_path))
     code, err = run_main(capfd, "-np", "2", "ls")
     assert code == 2
     assert f"{tmp_path}/mpiexec" in err
@@ -410,12 +411,12 @@ def test_launcher_of_another_mpi_is_refused(monkeypatch, tmp_path, capfd, built,
 def test_launcher_with_unknown_version_text_is_trusted(tmp_path):
     mpiexec = write_fake_launcher(tmp_path / "mpiexec", "a wrapper script")
     info = {
-        **_launcher._DEFAULT_BUILD_INFO,
+        **_build_info._DEFAULT_BUILD_INFO,
         "mpi_source": "system",
         "mpi_vendor": "Open MPI",
         "mpiexec": str(mpiexec),
     }
-    assert _launcher.locate_launcher(info) == _launcher.Launcher(str(mpiexec), "Open MPI")
+    assert _main.locate_launcher(info) == _main.Launcher(str(mpiexec), "Open MPI")
 
 
 def test_job_runs_with_its_environment_and_exit_code(monkeypatch, tmp_path, capfd):
@@ -432,7 +433,7 @@ def test_job_runs_with_its_environment_and_exit_code(monkeypatch, tmp_path, capf
 
 
 def _end(rank, ended, status=0, stopped=None):
-    return _launcher._RankEnd(rank, status, ended, stopped)
+    return _main._RankEnd(rank, status, ended, stopped)
 
 
 KILLED = signal.SIGKILL  # a wait status: killed by SIGKILL
@@ -457,7 +458,7 @@ EXIT_1 = 1 << 8
     ([_end(0, 3.0, QUIT, stopped=2.0), _end(1, 3.1, QUIT, stopped=2.0)], None, 0),
 ])
 def test_the_rank_that_ended_a_forker_job_is_found(ends, named, code):
-    first = _launcher._first_failure(ends)
+    first = _main._first_failure(ends)
     if named is None:
         assert first is None
     else:
@@ -503,28 +504,28 @@ def test_forker_job_removes_its_segments_and_no_others(monkeypatch, tmp_path, ca
     forker.write_text(
         f"#!{sys.executable}\n"
         "import os, sys\n"
-        "from keras_ring import _launcher\n"
-        "paths = _launcher.forker_segment_paths(os.getpid())\n"
-        "paths.append(_launcher.forker_segment_paths(os.getppid())[0])\n"
+        "from keras_ring.launcher import _main\n"
+        "paths = _main.forker_segment_paths(os.getpid())\n"
+        "paths.append(_main.forker_segment_paths(os.getppid())[0])\n"
         "for path in paths:\n"
         "    open(path, 'x').close()\n"
         f"open({str(tmp_path / 'forker.pid')!r}, 'w').write(str(os.getpid()))\n"
     )
     forker.chmod(0o755)
     write_build_info(monkeypatch, tmp_path, mpi_source="system", mpiexec=str(mpiexec))
-    others = _launcher.forker_segment_paths(os.getpid())[0]
+    others = _main.forker_segment_paths(os.getpid())[0]
     try:
         code, err = run_main(capfd, "-np", "2", *COMMAND)
         assert code == 0, err
         forker_pid = int((tmp_path / "forker.pid").read_text())
-        left = [p for p in _launcher.forker_segment_paths(forker_pid) if os.path.exists(p)]
+        left = [p for p in _main.forker_segment_paths(forker_pid) if os.path.exists(p)]
         assert not left, left
         assert os.path.exists(others)
     finally:
         os.unlink(others)
 
 
-# The environment a rank was started with (keras_ring/_mpi_env.py).
+# The environment a rank was started with (keras_ring/core/_mpi_env.py).
 
 HYDRA_ENV = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "9", "HYDI_CONTROL_FD": "7"}
 FORKER_ENV = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "8"}
@@ -545,7 +546,7 @@ SRUN_PMIX_ENV = {
 
 def build_info(vendor, source="system"):
     return {
-        **_launcher._DEFAULT_BUILD_INFO,
+        **_build_info._DEFAULT_BUILD_INFO,
         "mpi_source": source,
         "mpi_vendor": vendor,
         "mpicxx": "/usr/bin/mpicxx",
@@ -640,7 +641,7 @@ def test_every_rank_runs_and_its_lines_are_tagged():
 def test_settings_reach_every_ranks_engine():
     script = (
         "import json, os, keras_ring as kr\n"
-        "from keras_ring import _engine\n"
+        "from keras_ring.core import _engine\n"
         "kr.init()\n"
         "os.write(1, ('params ' + json.dumps(_engine.parameters()) + '\\n').encode())\n"
         "kr.shutdown()"
@@ -758,7 +759,7 @@ sys.exit(0 if all(ip.is_loopback for ip in listening) else 1)
 @pytest.mark.multirank
 def test_one_host_job_listens_on_loopback_only(run_ranks, tmp_path):
     pytest.importorskip("mpi4py")
-    if _launcher.read_build_info()["mpi_source"] != "pypi-mpich":
+    if _build_info.read_build_info()["mpi_source"] != "pypi-mpich":
         pytest.skip(
             "a system MPICH without mpiexec.gforker runs Hydra, which listens on all interfaces"
         )
@@ -772,8 +773,8 @@ def test_one_host_job_listens_on_loopback_only(run_ranks, tmp_path):
 def test_ranks_see_the_launcher_they_were_built_for(run_ranks, tmp_path):
     script = tmp_path / "launcher_env.py"
     script.write_text(
-        "from keras_ring import _launcher, _mpi_env\n"
-        "_mpi_env.check_launcher_environment(_launcher.read_build_info())\n"
+        "from keras_ring.core import _build_info, _mpi_env\n"
+        "_mpi_env.check_launcher_environment(_build_info.read_build_info())\n"
         "print(f'expected size {_mpi_env.expected_world_size()}')\n"
     )
     result = run_ranks(2, script, timeout=120)
@@ -784,7 +785,7 @@ def test_ranks_see_the_launcher_they_were_built_for(run_ranks, tmp_path):
 def test_ranks_use_the_mpich_segment_named_after_the_forker(run_ranks, tmp_path):
     # keras-ring-run removes a dead job's segment under that name before the
     # ranks start, and the job's own after it ends: the name must be MPICH's.
-    if _launcher.read_build_info()["mpi_source"] != "pypi-mpich":
+    if _build_info.read_build_info()["mpi_source"] != "pypi-mpich":
         pytest.skip("one-host jobs of a system MPICH without mpiexec.gforker run under Hydra")
     script = tmp_path / "segments.py"
     script.write_text(
@@ -801,5 +802,5 @@ def test_ranks_use_the_mpich_segment_named_after_the_forker(run_ranks, tmp_path)
     found = re.findall(r"forker (\d+) segments \[\'(\S+)\'\]", result.stdout)
     assert len(found) == 2, result.stdout
     for forker_pid, name in found:
-        assert name == _launcher.forker_segment_paths(int(forker_pid))[0]
+        assert name == _main.forker_segment_paths(int(forker_pid))[0]
         assert not os.path.exists(name)

@@ -487,7 +487,7 @@ def test_groups_and_two_optimizers_in_one_step():
 
 
 def collectives_run():
-    from keras_ring import _engine
+    from keras_ring.core import _engine
 
     return _engine.stats()["collectives"]
 

@@ -1,7 +1,7 @@
 """Ranks' output reaches the user whole: UTF-8 text, long output and Keras's real progress bar.
 
 MPICH's one-host forker closes a rank's pipe at its first byte of 0x80 or more
-(see keras_ring/_rank_output.py). These tests run tests/workers/output_worker.py,
+(see keras_ring/launcher/_rank_output.py). These tests run tests/workers/output_worker.py,
 whose rank 0 trains with `verbose=kr.rank_zero_verbose(1)`, in every way a
 user starts a job, with the output on pipes (as under `| tee`, CI or a notebook).
 Under keras-ring-run, TensorFlow's start-up lines come from rank 0 only, and

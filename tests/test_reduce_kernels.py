@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 LEVELS = ["generic", "avx2", "avx512"]
 DTYPES = [
@@ -95,7 +95,7 @@ def kernels_after_init(setting):
         [
             sys.executable,
             "-c",
-            "import keras_ring as kr\nfrom keras_ring import _engine\n"
+            "import keras_ring as kr\nfrom keras_ring.core import _engine\n"
             "kr.init()\nprint(_engine._cpu_kernels())",
         ],
         capture_output=True,

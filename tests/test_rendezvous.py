@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from keras_ring._rendezvous import MAX_LOGIN_FRAME_BYTES, RendezvousClient, RendezvousServer
+from keras_ring.core._rendezvous import MAX_LOGIN_FRAME_BYTES, RendezvousClient, RendezvousServer
 
 SECRET = b"the job's secret"
 
@@ -368,7 +368,7 @@ def _flood(address, huge_frames, idle, sources):
 def test_a_flood_of_connections_that_never_log_in_leaves_the_server_bounded_and_serving(
         tmp_path):
     # The store runs as the launcher runs it: in a process of its own (of the installed build).
-    server = subprocess.Popen([sys.executable, "-c", "from keras_ring import _rendezvous; "
+    server = subprocess.Popen([sys.executable, "-c", "from keras_ring.core import _rendezvous; "
                                "_rendezvous._serve_until_stdin_closes()"], cwd=tmp_path,
                               env={**os.environ, "KERAS_RING_SECRET": SECRET.hex()},
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,

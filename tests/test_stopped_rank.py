@@ -20,7 +20,7 @@ import uuid
 import pytest
 from conftest import RANK_THREAD_ENV, _tail
 
-from keras_ring._launcher import forker_segment_paths
+from keras_ring.launcher._main import forker_segment_paths
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 TIMEOUT = 6

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ring as kr
-from keras_ring import _sync_batch_norm
+from keras_ring.keras import _sync_batch_norm
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "sync_batch_norm_worker.py"
 BATCH = 8
@@ -130,7 +130,7 @@ print(json.dumps([type(layer).__module__ + "." + type(layer).__name__, predictio
                                 timeout=120, check=False)
         assert result.returncode == 0, result.stderr[-3000:]
         name, prediction = json.loads(result.stdout.strip().splitlines()[-1])
-        assert name == "keras_ring._sync_batch_norm.SyncBatchNormalization"
+        assert name == "keras_ring.keras._sync_batch_norm.SyncBatchNormalization"
         np.testing.assert_array_equal(np.asarray(prediction, np.float32), expected)
 
 

@@ -124,7 +124,7 @@ def _sum_of_ranks():
     import numpy as np
 
     import keras_ring as kr
-    from keras_ring import _engine
+    from keras_ring.core import _engine
 
     kr.init()
     got = _engine.submit(_engine.ALLREDUCE, np.full(3, kr.rank(), np.float32), "s").wait()

@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 
 import keras_ring as kr
-from keras_ring import _ops, _tf_build
+from keras_ring.tensorflow import _build as _tf_build
+from keras_ring.tensorflow import _ops
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64]
 # Moved unchanged by allgather, broadcast and alltoall; not reduced.

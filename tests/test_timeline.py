@@ -179,7 +179,7 @@ def test_start_timeline_needs_init(tmp_path):
 
 LOGGING = """
 import keras_ring as kr
-from keras_ring import _log
+from keras_ring.core import _log
 kr.init()
 _log.log(_log.DEBUG, "a debug message")
 for _ in range(3):

@@ -1,4 +1,4 @@
-// keras_ring._engine: the engine for NumPy arrays. Used by keras_ring for
+// keras_ring.core._engine: the engine for NumPy arrays. Used by keras_ring for
 // init/topology, by tests and benchmarks that run without TensorFlow, and on
 // machines (GPU hosts) that have no TensorFlow.
 #include <pybind11/numpy.h>
@@ -146,7 +146,7 @@ kr_dtype ToKrDtype(const py::dtype& dt) {
 // ValueError for a bad request and for ranks that disagree on one (Python has
 // no class of its own for the second; the TF ops raise InvalidArgumentError
 // and FailedPreconditionError); RuntimeError for the rest.
-// keras_ring._errors.WorkerLostError, imported with this module: the error
+// keras_ring.core._errors.WorkerLostError, imported with this module: the error
 // path runs no Python code of its own, so that a launcher's SIGINT that
 // follows a rank's death cannot interrupt it halfway.
 py::handle worker_lost_error;
@@ -461,7 +461,7 @@ PYBIND11_MODULE(_engine, m) {
   m.doc() = "keras-ring engine binding for NumPy arrays (internal).";
   // Kept for the process's life (a handle, never released at exit).
   worker_lost_error =
-      py::object(py::module_::import("keras_ring._errors").attr("WorkerLostError")).release();
+      py::object(py::module_::import("keras_ring.core._errors").attr("WorkerLostError")).release();
 
   m.attr("ALLREDUCE") = static_cast<int>(KR_ALLREDUCE);
   m.attr("ALLGATHER") = static_cast<int>(KR_ALLGATHER);

@@ -1,5 +1,5 @@
 // InMemoryStore, the rendezvous store the TCP world's tests run on, and
-// TcpStoreClient against the launcher's real server (keras_ring/_rendezvous.py,
+// TcpStoreClient against the launcher's real server (keras_ring/core/_rendezvous.py,
 // run by python3 as a script), so that both ends of the protocol meet.
 #include <sys/wait.h>
 #include <unistd.h>
@@ -53,10 +53,10 @@ KR_TEST(InMemoryStoreGetTimesOutNamingTheKey) {
 // Found from this file's path, which CMake gives as an absolute one.
 std::string ServerScript() {
   const std::string source = __FILE__;
-  return source.substr(0, source.rfind('/')) + "/../../keras_ring/_rendezvous.py";
+  return source.substr(0, source.rfind('/')) + "/../../keras_ring/core/_rendezvous.py";
 }
 
-// The server of keras_ring/_rendezvous.py in a child process, for one test.
+// The server of keras_ring/core/_rendezvous.py in a child process, for one test.
 class RendezvousServerProcess {
  public:
   explicit RendezvousServerProcess(const std::string& secret_hex) {

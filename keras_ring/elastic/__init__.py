@@ -32,7 +32,7 @@ train(state)
 ```
 """
 
-from keras_ring._errors import HostsUpdatedInterrupt, WorkerLostError
+from keras_ring.core._errors import HostsUpdatedInterrupt, WorkerLostError
 from keras_ring.elastic._commit_state_callback import CommitStateCallback
 from keras_ring.elastic._keras_state import KerasState, TensorFlowKerasState
 from keras_ring.elastic._object_state import ObjectState

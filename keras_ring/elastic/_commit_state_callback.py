@@ -2,9 +2,9 @@
 
 import keras
 
-from keras_ring.callbacks._validation import check_integer
 from keras_ring.elastic import _validation
 from keras_ring.elastic._update_batch_state_callback import END_OF_RESUMED_EPOCH
+from keras_ring.keras.callbacks._validation import check_integer
 
 
 class CommitStateCallback(keras.callbacks.Callback):

@@ -2,7 +2,7 @@
 
 import copy
 
-from keras_ring import _objects
+from keras_ring.core import _objects
 from keras_ring.elastic._state import State
 
 

@@ -2,20 +2,8 @@
 
 import functools
 
-from keras_ring import _basics, _elastic_world, _errors, _log, _objects
+from keras_ring.core import _basics, _elastic_world, _errors, _lifecycle, _log, _objects
 from keras_ring.elastic import _validation
-
-_running = []  # the states of the wrapped functions being called, innermost last
-
-
-def running_state():
-    """The state of the innermost call of a function `run` wrapped, or None outside one.
-
-    `keras_ring.callbacks.BackupAndRestore` asks it, so that in an elastic
-    job it reads its backup into the state once, and numbers its epochs as
-    the state counts them.
-    """
-    return _running[-1] if _running else None
 
 
 def run(func):
@@ -94,11 +82,8 @@ def run(func):
         # A newcomer's first world is a re-formed one: it runs the reset
         # callbacks after its first sync, as the survivors do after theirs.
         joined = _elastic_world.generation() > 0
-        _running.append(state)
-        try:
+        with _elastic_world.running(state):
             return _call(state, joined, func, args, kwargs)
-        finally:
-            _running.pop()
 
     return wrapper
 
@@ -136,10 +121,10 @@ def _call(state, joined, func, args, kwargs):
 
 def _reinit():
     """Starts the engine again, on the world the driver forms next."""
-    _basics.shutdown()
+    _lifecycle.shutdown()
     # Collectives named by call order count from 0 again, as in a newcomer's
     # new process, so that survivors' and newcomers' names agree.
     _objects._counters.clear()
     # The settings the script gave init() hold for every world (process sets,
     # given by ranks of the old world, do not).
-    _basics.init(**_basics.given_settings)
+    _lifecycle.init(**_lifecycle.given_settings)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from keras_ring import _basics, _elastic_world, _errors, _objects
+from keras_ring.core import _basics, _elastic_world, _errors, _objects
 
 
 class State:

@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_ring import _log
+from keras_ring.core import _log
 from keras_ring.elastic import _validation
 
 

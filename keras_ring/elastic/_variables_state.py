@@ -5,7 +5,7 @@ import zlib
 import keras
 import numpy as np
 
-from keras_ring import _host_collectives, _objects
+from keras_ring.core import _host_collectives, _objects
 from keras_ring.elastic._object_state import ObjectState
 
 

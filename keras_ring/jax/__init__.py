@@ -14,26 +14,25 @@ params = krj.broadcast_parameters(params, root_rank=0)
 ```
 """
 
-from keras_ring._basics import (
+from keras_ring.core._basics import (
     cross_rank,
     cross_size,
-    init,
     is_initialized,
     local_rank,
     local_size,
     rank,
-    shutdown,
     size,
 )
-from keras_ring._compression import Compression
-from keras_ring._objects import allgather_object, barrier, broadcast_object, join
-from keras_ring._process_sets import (
+from keras_ring.core._compression import Compression
+from keras_ring.core._lifecycle import init, shutdown
+from keras_ring.core._objects import allgather_object, barrier, broadcast_object, join
+from keras_ring.core._process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
 )
-from keras_ring._reduce_ops import Average, Max, Min, Product, Sum
+from keras_ring.core._reduce_ops import Average, Max, Min, Product, Sum
 from keras_ring.jax._ops import (
     allgather,
     allreduce,

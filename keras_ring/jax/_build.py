@@ -2,16 +2,17 @@
 
 The handler's headers (`xla/ffi/api`) ship with jaxlib, and the FFI's C
 structures are versioned by it, so the library is built on first use
-(`keras_ring._op_build`), like the TensorFlow ops, once per jaxlib version.
+(`keras_ring.core._op_build`), like the TensorFlow ops, once per jaxlib version.
 """
 
 import ctypes
+import pathlib
 import threading
 
 import jax
 import jaxlib
 
-from keras_ring import _op_build
+from keras_ring.core import _op_build
 
 # The name under which the handler is registered with XLA.
 TARGET = "keras_ring_collective"
@@ -21,12 +22,12 @@ _lock = threading.Lock()
 
 
 def adapter():
-    """Describes the JAX adapter's library for `keras_ring._op_build`."""
+    """Describes the JAX adapter's library for `keras_ring.core._op_build`."""
     return _op_build.Adapter(
         framework="JAX",
         version=jaxlib.__version__,
         key="jax",
-        source_dir=_op_build.PACKAGE_DIR / "_jax_src",
+        source_dir=pathlib.Path(__file__).resolve().parent / "_src",
         library_name="libkeras_ring_jax.so",
         # -isystem: the FFI headers' own warnings are jaxlib's, not ours.
         compile_flags=("-std=c++17", "-isystem", jax.ffi.include_dir()),

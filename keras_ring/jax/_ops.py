@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ring import _basics, _compression, _errors
-from keras_ring._collective_args import reduce_args
-from keras_ring._process_sets import describe, global_process_set, root_index
-from keras_ring._reduce_ops import NAMES as _REDUCE_OP_NAMES
-from keras_ring._reduce_ops import Average, Sum
+from keras_ring.core import _basics, _compression, _errors
+from keras_ring.core._collective_args import reduce_args
+from keras_ring.core._process_sets import describe, global_process_set, root_index
+from keras_ring.core._reduce_ops import NAMES as _REDUCE_OP_NAMES
+from keras_ring.core._reduce_ops import Average, Sum
 from keras_ring.jax import _build
 
 # The engine's collectives (kr_collective in c_api.h).

@@ -2,8 +2,8 @@
 
 import jax
 
-from keras_ring import _basics
-from keras_ring._process_sets import global_process_set
+from keras_ring.core import _basics
+from keras_ring.core._process_sets import global_process_set
 from keras_ring.jax._ops import _array, _broadcast_arrays, grouped_allreduce
 
 

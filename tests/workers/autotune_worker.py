@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 SIZES = {"grad.small": 257, "grad.medium": 30001, "grad.large": 600_011}
 

@@ -20,7 +20,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
 import keras_ring as kr  # noqa: E402
-from keras_ring import _engine  # noqa: E402
+from keras_ring.core import _engine  # noqa: E402
 
 SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.5, -2.0], np.float32)
 REFERENCE = {"Sum": np.add, "Min": np.minimum, "Max": np.maximum, "Product": np.multiply}

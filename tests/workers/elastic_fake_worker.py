@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from keras_ring._rendezvous import RendezvousClient
+from keras_ring.core._rendezvous import RendezvousClient
 
 STEP_SECONDS = 0.05
 POLL_SECONDS = 0.2

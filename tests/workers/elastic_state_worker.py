@@ -27,7 +27,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
 import keras_ring as kr  # noqa: E402
-from keras_ring import _elastic_world  # noqa: E402
+from keras_ring.core import _elastic_world  # noqa: E402
 
 BATCH = 4
 RANK = SIZE = None

@@ -48,7 +48,7 @@ if BACKEND == "tensorflow":
 import keras  # noqa: E402
 
 import keras_ring as kr  # noqa: E402
-from keras_ring import _elastic_world  # noqa: E402
+from keras_ring.core import _elastic_world  # noqa: E402
 
 EPOCHS = int(os.environ.get("KR_TEST_EPOCHS", "4"))
 STEPS = int(os.environ.get("KR_TEST_STEPS", "8"))

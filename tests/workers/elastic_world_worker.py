@@ -14,13 +14,13 @@ import sys
 import numpy as np
 
 import keras_ring as kr
-from keras_ring import _elastic_world, _engine
-from keras_ring._errors import WorkerLostError
+from keras_ring.core import _elastic_world, _engine
+from keras_ring.core._errors import WorkerLostError
 
 if os.environ.get("KR_TEST_TF") == "1":
     import tensorflow as tf
 
-    from keras_ring._errors import worker_lost
+    from keras_ring.core._errors import worker_lost
 
     def total_of_ranks(step):
         # A TF op reports the loss as tf.errors.UnavailableError: worker_lost() knows it.

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 kr.init()
 if kr.rank() == 1:

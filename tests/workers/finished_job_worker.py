@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 SIZES = (1, 7, 1000)
 

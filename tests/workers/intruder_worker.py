@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 if os.environ["KERAS_RING_RANK"] == "1":
     deadline = time.monotonic() + 60

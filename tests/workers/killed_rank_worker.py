@@ -13,7 +13,7 @@ import numpy as np
 from forker_pid import forker_pid
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 kr.init()
 print(f"rank {kr.rank()} pid {os.getpid()} forker {forker_pid()}", flush=True)

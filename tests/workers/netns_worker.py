@@ -20,7 +20,7 @@ import socket
 from pathlib import Path
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 spec = importlib.util.spec_from_file_location(
     "engine_worker", Path(__file__).with_name("engine_worker.py"))

@@ -14,7 +14,7 @@ RANK = int(os.environ["PMI_RANK"])
 os.environ["KERAS_RING_FUSION_THRESHOLD"] = "0" if RANK == 1 else str(64 << 20)
 
 import keras_ring as kr  # noqa: E402
-from keras_ring import _engine  # noqa: E402
+from keras_ring.core import _engine  # noqa: E402
 
 
 def fail(message):

@@ -23,7 +23,7 @@ import numpy as np
 from forker_pid import forker_pid
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 stopped, size_name, signal_name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 kr.init()

@@ -55,7 +55,7 @@ import numpy as np
 from engine_worker import DTYPES, OPS, bfloat16, fail, reference, split_rows
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 SEED = int(os.environ.get("KR_STRESS_SEED", "0"))
 STEPS = int(os.environ.get("KR_STRESS_STEPS", "60"))

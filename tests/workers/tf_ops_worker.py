@@ -31,7 +31,7 @@ tf.config.threading.set_inter_op_parallelism_threads(2)
 tf.get_logger().setLevel("ERROR")
 
 import keras_ring as kr  # noqa: E402
-from keras_ring import _ops  # noqa: E402
+from keras_ring.tensorflow import _ops  # noqa: E402
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64]
 # Moved unchanged by allgather, broadcast and alltoall; not reduced.

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import keras_ring as kr
-from keras_ring import _engine
+from keras_ring.core import _engine
 
 mode, path = sys.argv[1], sys.argv[2]
 

@@ -3,7 +3,7 @@
 // address under its own key and gets the others'. Get waits for the key,
 // bounded by its timeout. Implementations: InMemoryStore (threads as ranks,
 // for the tests) and TcpStoreClient, which talks to the launcher's
-// RendezvousServer (keras_ring/_rendezvous.py).
+// RendezvousServer (keras_ring/core/_rendezvous.py).
 //
 // Wire protocol of TcpStoreClient <-> RendezvousServer. Every message is a
 // frame: a 4-byte big-endian payload length, then the payload; a frame is at

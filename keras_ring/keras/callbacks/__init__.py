@@ -1,0 +1,1 @@
+"""The Keras callbacks, one module each; `keras_ring.callbacks` is their public face."""
