@@ -88,7 +88,7 @@ def test_every_public_symbol_has_a_docstring_with_an_example():
                 for name in keras_ring.jax.__all__]
     symbols += [
         (f"keras_ring.callbacks.{name}", getattr(keras_ring.callbacks, name))
-        for name in keras_ring.keras.callbacks.__all__
+        for name in keras_ring.callbacks.__all__
     ]
     missing = [
         name

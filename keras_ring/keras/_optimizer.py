@@ -60,8 +60,28 @@ class _DistributedOptimizerMixin:
 
     def build(self, variables):
         super().build(variables)
-        self._keras_ring.variables = list(variables)
+        state = self._keras_ring
+        state.variables = list(variables)
+        if state.accumulator is not None:
+            state.accumulator.build(self, state.variables)
         self._call_after_build()
+
+    def save_own_variables(self, store):
+        """Saves the optimizer's variables as the plain optimizer has them: no pass sums."""
+        for i, variable in enumerate(self._saved_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        saved = self._saved_variables()
+        if len(store.keys()) != len(saved):
+            return super().load_own_variables(store)  # Keras explains the mismatch
+        for i, variable in enumerate(saved):
+            variable.assign(store[str(i)])
+
+    def _saved_variables(self):
+        accumulator = self._keras_ring.accumulator
+        left_out = {id(v) for v in accumulator.saved_out()} if accumulator else set()
+        return [v for v in self.variables if id(v) not in left_out]
 
     def _call_after_build(self):
         """Runs the `after_build` calls, eagerly, once the variables hold their values.
@@ -112,7 +132,8 @@ class _DistributedOptimizerMixin:
         `apply` (a `LossScaleOptimizer`'s checks that they are finite): they
         must be the reduced ones, so that every rank skips the same steps.
         The reduction (and the checks before it) reads the variables as the
-        step's values, in a `keras.StatelessScope` of them.
+        step's values, in a `keras.StatelessScope` of them. With
+        `backward_passes_per_step` the accumulator decides when to reduce.
         """
         state = self._keras_ring
         values = list(zip(state.variables or (), trainable_variables))
@@ -120,12 +141,24 @@ class _DistributedOptimizerMixin:
         with keras.StatelessScope(state_mapping=values):
             self._call_after_build()
             self._check_same_start(state.variables)
-            grads = state.reducer.reduce(list(grads), state.variables)
-        state.reduced = True
-        try:
-            return super().stateless_apply(optimizer_variables, grads, trainable_variables)
-        finally:
-            state.reduced = False
+        parent_stateless_apply = super().stateless_apply
+
+        def reduce(grads):
+            with keras.StatelessScope(state_mapping=values):
+                return state.reducer.reduce(list(grads), state.variables)
+
+        def apply_reduced(optimizer_variables, grads):
+            state.reduced = True
+            try:
+                return parent_stateless_apply(optimizer_variables, grads, trainable_variables)
+            finally:
+                state.reduced = False
+
+        if state.accumulator is None:
+            return apply_reduced(optimizer_variables, reduce(grads))
+        return state.accumulator.stateless_apply(
+            self, optimizer_variables, list(grads), trainable_variables, state.variables,
+            reduce, apply_reduced)
 
     def apply(self, grads, trainable_variables=None):
         state = self._keras_ring

@@ -3,7 +3,8 @@
 TensorFlow is installed where the tests run; any attempt to import it fails
 this script. NumPy data, sharded with `kr.shard_arrays`; the README's
 optimizer and callbacks, warmup, `kr.evaluate`, `kr.unshard`, `kr.shard_py_dataset` and a
-`SyncBatchNormalization` layer, in Keras's JAX trainer at its defaults.
+`SyncBatchNormalization` layer, in Keras's JAX trainer at its defaults; then
+`backward_passes_per_step` in fit, saved, and in an eager `apply`.
 """
 
 import os
@@ -74,5 +75,29 @@ assert firsts == [float(x[16 * b, 0]) for b in range(kr.rank(), 9, kr.size())], 
 even = kr.shard_py_dataset(Batches(), drop_remainder=True)
 assert len(even) == 9 // kr.size(), len(even)
 model.fit(shard, epochs=1, callbacks=[kr.callbacks.MetricAverageCallback()], verbose=0)
+
+# backward_passes_per_step: the sums are optimizer variables while training (Keras's JAX
+# trainer threads them through its step) and stay out of saved models.
+passes = kr.DistributedOptimizer(keras.optimizers.Adam(1e-2), backward_passes_per_step=2)
+model.compile(optimizer=passes, loss="sparse_categorical_crossentropy")
+model.fit(x_train, y_train, batch_size=32, epochs=1, verbose=0)
+assert int(passes.iterations.numpy()) == steps, (int(passes.iterations.numpy()), steps)
+plain = keras.optimizers.Adam(1e-2)
+plain.build(model.trainable_variables)
+assert len(passes.variables) > len(plain.variables)
+path = f"{os.environ.get('TMPDIR', '/tmp')}/jax_fit_worker.{os.getpid()}.keras"
+model.save(path)
+loaded = keras.models.load_model(path, custom_objects={"SyncBatchNormalization":
+                                                       kr.SyncBatchNormalization})
+os.remove(path)
+assert len(loaded.optimizer.variables) == len(plain.variables), len(loaded.optimizer.variables)
+# Called eagerly, apply() updates at every third pass with the average of three.
+variable = keras.Variable([10.0, 20.0])
+eager = kr.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=3,
+                                average_aggregated_gradients=True)
+for n in (1.0, 2.0, 3.0):
+    assert variable.numpy().tolist() == [10.0, 20.0], variable.numpy()
+    eager.apply([np.full(2, n, "float32")], [variable])
+assert variable.numpy().tolist() == [8.0, 18.0], variable.numpy()
 print(f"jax_fit_worker: rank {kr.rank()} finished, accuracy {results['accuracy']:.3f}, "
       f"tensorflow imported: {'tensorflow' in sys.modules}", flush=True)

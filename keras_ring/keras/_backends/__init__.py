@@ -22,8 +22,10 @@ them, as Keras's own `keras/src/backend/<name>/` modules do for Keras:
 - `at_first_update(variables, ready, fn, iterations)`: calls `fn` with the
   variables' values as NumPy arrays at the first update, from inside a step
   being traced; returns whether it will.
-- `pass_accumulator(passes, average)`: the sums of `backward_passes_per_step`,
-  and the branch between accumulating and applying.
+- `pass_accumulator(passes, average)`: the sums of `backward_passes_per_step`
+  (`build`, `saved_out`, and `add`, `branch`, `totals`, `next_pass` for
+  `apply`; JAX's `stateless_apply` for its trainer), and the branch between
+  accumulating and applying.
 
 Which module serves is `keras.backend.backend()`'s choice. `kr.init()`
 agrees the backend between the ranks; one that differs from it later is

@@ -140,6 +140,20 @@ class PassAccumulator:
         self._count = None
         self._sums = {}
 
+    def build(self, optimizer, variables):
+        del optimizer, variables  # the sums are made at the first pass, per gradient's dtype
+
+    def saved_out(self):
+        """The optimizer variables that saving leaves out: none, the sums are untracked."""
+        return []
+
+    def stateless_apply(self, *args):
+        del args
+        raise NotImplementedError(
+            "keras-ring: with backward_passes_per_step > 1 under TensorFlow, the optimizer "
+            "updates through apply() (model.fit's path); stateless_apply() is Keras's JAX path."
+        )
+
     def _variable(self, shape, dtype):
         # Lifted out of any function being traced, like Keras's own slots.
         with tf.init_scope():
