@@ -4,7 +4,8 @@ TensorFlow is installed where the tests run; any attempt to import it fails
 this script. NumPy data, sharded with `kr.shard_arrays`; the README's
 optimizer and callbacks, warmup, `kr.evaluate`, `kr.unshard`, `kr.shard_py_dataset` and a
 `SyncBatchNormalization` layer, in Keras's JAX trainer at its defaults; then
-`backward_passes_per_step` in fit, saved, and in an eager `apply`.
+LearningRateScheduleCallback, and `backward_passes_per_step` in fit, saved, and in an eager
+`apply`.
 """
 
 import os
@@ -75,6 +76,21 @@ assert firsts == [float(x[16 * b, 0]) for b in range(kr.rank(), 9, kr.size())], 
 even = kr.shard_py_dataset(Batches(), drop_remainder=True)
 assert len(even) == 9 // kr.size(), len(even)
 model.fit(shard, epochs=1, callbacks=[kr.callbacks.MetricAverageCallback()], verbose=0)
+
+# LearningRateScheduleCallback assigns the rate between the jitted steps, per epoch and
+# per batch: a multiplier of 0 from epoch 1 (from halfway through it) stops the weights.
+for staircase, stop in ((True, 1.0), (False, 1.5)):
+    model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+                  loss="sparse_categorical_crossentropy")
+    kernels = []
+    model.fit(x_train, y_train, batch_size=32, epochs=3, verbose=0, callbacks=[
+        kr.callbacks.LearningRateScheduleCallback(
+            0.1, multiplier=lambda epoch, stop=stop: float(epoch < stop), staircase=staircase),
+        keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: kernels.append(model.get_weights()[0].copy()))])
+    moved = [bool(np.any(after != before)) for before, after in zip(kernels, kernels[1:])]
+    assert moved == [not staircase, False], (staircase, moved)
+    assert float(model.optimizer.learning_rate.numpy()) == 0.0
 
 # backward_passes_per_step: the sums are optimizer variables while training (Keras's JAX
 # trainer threads them through its step) and stay out of saved models.
