@@ -215,19 +215,22 @@ def test_below_min_np_the_job_ends_with_an_error_naming_the_lost_workers(tmp_pat
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 def test_a_job_lost_whole_resumes_from_its_backup_and_its_recoveries_from_the_commits(
-        tmp_path):
+        tmp_path, backend):
     backup = tmp_path / "backup"
     # Below --min-np at step 19 (epoch 2): the job ends; rank 0's backup holds epoch 2's start.
     first, first_logs = run_elastic(
         tmp_path / "first", ["-np", "2", "--min-np", "2", "--elastic-timeout", "5"],
-        env={"KR_TEST_FAULT": "19:1:KILL", "KR_TEST_BACKUP_DIR": str(backup)}, timeout=300)
+        env={"KR_TEST_FAULT": "19:1:KILL", "KR_TEST_BACKUP_DIR": str(backup),
+             "KERAS_BACKEND": backend}, timeout=300)
     assert first.returncode != 0 and "min-np" in first.stdout, first.stdout[-6000:]
     assert json.loads((backup / "training_metadata.json").read_text())["epoch"] == 2
     # Run again: every worker starts from the backup; a kill at step 27 costs one step.
     result, logs = run_elastic(tmp_path / "second", ["-np", "3", "--min-np", "2"],
                                env={"KR_TEST_FAULT": "27:1:KILL",
-                                    "KR_TEST_BACKUP_DIR": str(backup)})
+                                    "KR_TEST_BACKUP_DIR": str(backup),
+                                    "KERAS_BACKEND": backend})
     check_training_went_on(result, logs, survivors=2)
     for worker, events in logs.items():
         restored = events[0]  # the backup, taken as the state's first commit

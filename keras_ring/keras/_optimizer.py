@@ -86,7 +86,7 @@ class _DistributedOptimizerMixin:
     def _call_after_build(self):
         """Runs the `after_build` calls, eagerly, once the variables hold their values.
 
-        When that is depends on the backend (`_keras_backend`'s `when_ready`):
+        When that is depends on the backend (`_backends`' `when_ready`):
         under TF, a model built lazily gets its optimizer built while the
         first train step is traced, and its variables' values only after.
         """
