@@ -119,7 +119,7 @@ def test_a_killed_rank_ends_the_job_is_named_and_leaves_no_segments(run_ranks, n
     # Every other rank fails with its own error, naming rank 1, before the launcher stops it:
     # waiting for rank 1's submission (CheckLocalPeers) or in a shared-memory collective, or
     # told by rank 0, whose engine saw it first.
-    own = re.findall(r"^keras_ring\._errors\.WorkerLostError: keras-ring: .*rank 1 \(pid \d+\) "
+    own = re.findall(r"^keras_ring\.core\._errors\.WorkerLostError: keras-ring: .*rank 1 \(pid \d+\) "
                      r"died", result.stdout, re.MULTILINE)
     assert len(own) == np_ - 1, result.stdout
     ranks = re.findall(r"rank \d+ pid (\d+) forker (\d+)", result.stdout)
@@ -183,7 +183,7 @@ def test_the_rank_that_ends_a_job_is_named_with_its_exit_code(case, transport):
     # or its connection closed (TCP), directly or as the reason another rank gave up.
     theirs = (r"rank 1 shut down" if how == "raise" else
               r"rank 1( \(pid \d+\) died|'s connection was lost)")
-    own = re.findall(rf"^keras_ring\._errors\.WorkerLostError: keras-ring: .*{theirs}",
+    own = re.findall(rf"^keras_ring\.core\._errors\.WorkerLostError: keras-ring: .*{theirs}",
                      result.stdout, re.MULTILINE)
     assert len(own) == FAULT_RANKS - 1, result.stdout
 
