@@ -5,9 +5,13 @@
 Every rank holds TensorFlow and JAX; each size is reduced by the TF op
 eagerly and inside a `tf.function`, and by `keras_ring.jax.allreduce`
 eagerly and inside `jax.jit`, one method after the other, each call started
-together on every rank (an mpi4py barrier). Rank 0 prints the median times
-and JAX's as a ratio to the TF op's (eager against eager, jit against
-`tf.function`), and writes JSON and a PNG plot to benchmarks/results/.
+together on every rank (an mpi4py barrier). "JAX jit donated" donates its
+argument (`donate_argnums`), so XLA reduces it in place; the plain jitted
+call's input belongs to the caller, so XLA first copies it into a fresh
+result buffer, as for any value it may not overwrite. Rank 0 prints the
+median times and JAX's as a ratio to the TF op's (eager against eager, jit
+against `tf.function`, donated jit against the eager op), and writes JSON
+and a PNG plot to benchmarks/results/.
 """
 
 import argparse
@@ -28,7 +32,7 @@ from mpi4py import MPI  # noqa: E402  (initialises MPI before keras-ring, which 
 import keras_ring as kr  # noqa: E402
 import keras_ring.jax as krj  # noqa: E402
 
-METHODS = ("TF op eager", "TF op tf.function", "JAX eager", "JAX jax.jit")
+METHODS = ("TF op eager", "TF op tf.function", "JAX eager", "JAX jax.jit", "JAX jit donated")
 
 
 def main():
@@ -47,11 +51,19 @@ def main():
         tf_value, jax_value = tf.constant(values), jnp.asarray(values)
         tf_function = tf.function(lambda t: kr.allreduce(t, name="bench.tf"))
         jitted = jax.jit(lambda a: krj.allreduce(a, name="bench.jax"))
+        donating = jax.jit(lambda a: krj.allreduce(a, op=kr.Average, name="bench.jax.donated"),
+                           donate_argnums=0)
+        donated = [jnp.array(values)]
+
+        def reduce_donated():
+            donated[0] = donating(donated[0]).block_until_ready()
+
         calls = {
             "TF op eager": lambda: kr.allreduce(tf_value, name="bench.tf.eager").numpy(),
             "TF op tf.function": lambda: tf_function(tf_value).numpy(),
             "JAX eager": lambda: krj.allreduce(jax_value, name="bench.jax.eager"),
             "JAX jax.jit": lambda: jitted(jax_value).block_until_ready(),
+            "JAX jit donated": reduce_donated,
         }
         times = {}
         for method in METHODS:
@@ -63,11 +75,12 @@ def main():
         return
     header = f"{'size':>10} " + " ".join(f"{m:>18}" for m in METHODS)
     print(f"allreduce, {comm.size} ranks, median of {args.iters} (us)")
-    print(header + f" {'JAX/TF eager':>13} {'jit/tf.function':>16}")
+    print(header + f" {'JAX/TF eager':>13} {'jit/tf.function':>16} {'donated/TF eager':>17}")
     for row in rows:
         print(f"{row['kib']:>7} KiB " + " ".join(f"{row[m] * 1e6:>18.1f}" for m in METHODS)
               + f" {row['JAX eager'] / row['TF op eager']:>13.2f}"
-              + f" {row['JAX jax.jit'] / row['TF op tf.function']:>16.2f}")
+              + f" {row['JAX jax.jit'] / row['TF op tf.function']:>16.2f}"
+              + f" {row['JAX jit donated'] / row['TF op eager']:>17.2f}")
     payload = {"ranks": comm.size, "iters": args.iters, "rows": rows}
     fig, ax = write_results(args.out, "jax_vs_tf", payload, figsize=(7, 4))
     sizes = [row["kib"] for row in rows]
