@@ -229,6 +229,11 @@ kr_status kr_enqueue(const kr_request* request) {
   return Guarded(nullptr, 0, [&] { return Enqueue(request, 1, /*wake=*/true, nullptr); });
 }
 
+kr_status kr_enqueue_group(const kr_request* requests, int n, const char* group) {
+  if (n < 0 || (n > 0 && !requests)) return KR_INVALID_ARGUMENT;
+  return Guarded(nullptr, 0, [&] { return Enqueue(requests, n, /*wake=*/true, group); });
+}
+
 kr_status kr_enqueue_and_drive(const kr_request* requests, int n, const char* group,
                                int (*finished)(void* ctx), void* ctx) {
   if (n < 0 || (n > 0 && !requests) || !finished) return KR_INVALID_ARGUMENT;

@@ -238,6 +238,10 @@ KR_API void kr_drive(int (*finished)(void* ctx), void* ctx);
  * collectives in a group are refused (each request's done says why). */
 KR_API kr_status kr_enqueue_and_drive(const kr_request* requests, int n, const char* group,
                                       int (*finished)(void* ctx), void* ctx);
+/* kr_enqueue of requests[0..n), as one group where group names one (see
+ * kr_enqueue_and_drive), waking the engine's thread once; returns at once,
+ * like kr_enqueue (for a caller that waits later). */
+KR_API kr_status kr_enqueue_group(const kr_request* requests, int n, const char* group);
 /* Process sets: subsets of the job's ranks that run collectives among
  * themselves. Every rank of the job must call these, in the same order, with
  * the same arguments (they are agreed like any collective); they block until

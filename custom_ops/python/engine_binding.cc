@@ -5,8 +5,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -28,9 +30,16 @@ struct Outcome {
   kr_status status = KR_OK;
   std::string message;
   size_t element_size = 0;
-  std::vector<char> gathered;
+  // An output the engine asked for, with malloc (the engine's thread holds no
+  // GIL, so no NumPy array can be made there): the result array takes it over.
+  void* gathered = nullptr;
   std::vector<int64_t> gathered_shape;
   std::vector<int64_t> received_splits;  // alltoall
+
+  Outcome() = default;
+  Outcome(const Outcome&) = delete;
+  Outcome& operator=(const Outcome&) = delete;
+  ~Outcome() { std::free(gathered); }
 
   static void Done(void* ctx, kr_status status, const char* message);
 
@@ -38,13 +47,16 @@ struct Outcome {
     auto* self = static_cast<Outcome*>(ctx);
     try {
       self->gathered_shape.assign(shape, shape + ndim);
-      size_t count = 1;
-      for (int i = 0; i < ndim; ++i) count *= static_cast<size_t>(shape[i]);
-      self->gathered.resize(count * self->element_size + 1);  // +1: never a null data()
-      return self->gathered.data();
     } catch (const std::exception&) {
       return nullptr;  // the engine reports the failed allocation
     }
+    size_t count = 1;
+    for (int i = 0; i < ndim; ++i) count *= static_cast<size_t>(shape[i]);
+    constexpr size_t kAlign = 64;
+    const size_t bytes = (count * self->element_size + kAlign) / kAlign * kAlign;  // never 0
+    std::free(self->gathered);
+    self->gathered = std::aligned_alloc(kAlign, bytes);
+    return self->gathered;
   }
 };
 
@@ -178,6 +190,7 @@ struct Args {
 struct Arrays {
   std::vector<py::array> inputs;
   std::vector<py::array> outputs;  // empty where the engine allocates the outputs
+  std::vector<py::object> allocated;  // the engine's outputs, once arrays (else None)
   std::vector<kr_request> requests;
 };
 
@@ -191,6 +204,70 @@ py::array Input(const py::handle& array) {
   py::array input = py::array::ensure(array, py::array::c_style);
   if (!input) throw py::type_error("keras-ring: expected an array-like input");
   return input;
+}
+
+size_t DtypeSize(kr_dtype dtype) {
+  switch (dtype) {
+    case KR_FLOAT16: case KR_BFLOAT16: case KR_INT16: case KR_UINT16: return 2;
+    case KR_FLOAT32: case KR_INT32: return 4;
+    case KR_FLOAT64: case KR_INT64: return 8;
+    default: return 1;
+  }
+}
+
+// The engine's dtype of each input: `dtypes[i]` where given (a kr_dtype, for
+// a type NumPy lacks, bfloat16 held as 16-bit integers), else the array's.
+std::vector<kr_dtype> DtypesOf(const std::vector<py::array>& inputs,
+                               const std::vector<int>& dtypes) {
+  if (!dtypes.empty() && dtypes.size() != inputs.size()) {
+    throw py::value_error("keras-ring: dtypes needs one entry per array. Received: " +
+                          std::to_string(dtypes.size()) + " dtypes for " +
+                          std::to_string(inputs.size()) + " arrays");
+  }
+  std::vector<kr_dtype> out;
+  out.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (dtypes.empty()) {
+      out.push_back(ToKrDtype(inputs[i].dtype()));
+      continue;
+    }
+    const auto d = static_cast<kr_dtype>(dtypes[i]);
+    if (dtypes[i] < KR_FLOAT16 || dtypes[i] > KR_BOOL ||
+        DtypeSize(d) != static_cast<size_t>(inputs[i].itemsize())) {
+      throw py::value_error("keras-ring: dtypes[" + std::to_string(i) + "]=" +
+                            std::to_string(dtypes[i]) + " is no engine dtype of the array's " +
+                            std::to_string(inputs[i].itemsize()) + "-byte elements");
+    }
+    out.push_back(d);
+  }
+  return out;
+}
+
+// `given` as the outputs of `inputs`: writeable C-contiguous arrays of the
+// inputs' shapes and element sizes.
+std::vector<py::array> GivenOutputs(const std::vector<py::array>& inputs,
+                                    const py::sequence& given) {
+  if (given.size() != inputs.size()) {
+    throw py::value_error("keras-ring: outputs needs one array per input. Received: " +
+                          std::to_string(given.size()) + " outputs for " +
+                          std::to_string(inputs.size()) + " inputs");
+  }
+  std::vector<py::array> outputs;
+  outputs.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    py::array out = py::reinterpret_borrow<py::object>(given[i]);
+    const py::array& in = inputs[i];
+    const bool same_shape =
+        out.ndim() == in.ndim() && std::equal(in.shape(), in.shape() + in.ndim(), out.shape());
+    if (!out.writeable() || !(out.flags() & py::array::c_style) || !same_shape ||
+        out.itemsize() != in.itemsize()) {
+      throw py::value_error("keras-ring: outputs[" + std::to_string(i) +
+                            "] must be a writeable C-contiguous array of its input's shape "
+                            "and element size");
+    }
+    outputs.push_back(std::move(out));
+  }
+  return outputs;
 }
 
 // Outputs shaped like `inputs`, as views into one allocation (one malloc and
@@ -226,8 +303,8 @@ std::vector<py::array> OutputsLike(const std::vector<py::array>& inputs) {
 // The request for `input` (named `name`, which must outlive the call) whose
 // completion goes to `outcome`; `output` is where the result goes (NULL for
 // the collectives whose output the engine allocates).
-kr_request Prepare(const Args& a, const py::array& input, void* output, const char* name,
-                   Outcome* outcome) {
+kr_request Prepare(const Args& a, const py::array& input, kr_dtype dtype, void* output,
+                   const char* name, Outcome* outcome) {
   outcome->element_size = static_cast<size_t>(input.itemsize());
   if (a.collective == KR_ALLTOALL) {
     const int set_size = kr_process_set_ranks(a.process_set, nullptr, 0);
@@ -237,7 +314,7 @@ kr_request Prepare(const Args& a, const py::array& input, void* output, const ch
   r.struct_size = sizeof r;
   r.name = name;
   r.collective = static_cast<kr_collective>(a.collective);
-  r.dtype = ToKrDtype(input.dtype());
+  r.dtype = dtype;
   r.ndim = static_cast<int>(input.ndim());
   r.shape = reinterpret_cast<const int64_t*>(input.shape());
   r.input = input.data();
@@ -259,82 +336,48 @@ kr_request Prepare(const Args& a, const py::array& input, void* output, const ch
   return r;
 }
 
-// The requests of a call on `inputs`, with their outputs.
+// The requests of a call on `inputs`, with their outputs: `outputs` where
+// given (None: new arrays) for the collectives that write into one.
 void PrepareAll(const Args& a, std::vector<py::array> inputs, const std::vector<const char*>& names,
-                Call* call, Arrays* arrays) {
+                const std::vector<int>& dtypes, const py::object& outputs, Call* call,
+                Arrays* arrays) {
+  const std::vector<kr_dtype> engine_dtypes = DtypesOf(inputs, dtypes);
   arrays->inputs = std::move(inputs);
   const size_t n = arrays->inputs.size();
-  if (WritesOutput(a.collective)) arrays->outputs = OutputsLike(arrays->inputs);
+  if (WritesOutput(a.collective)) {
+    arrays->outputs = outputs.is_none() ? OutputsLike(arrays->inputs)
+                                        : GivenOutputs(arrays->inputs, outputs);
+  } else {
+    arrays->allocated.assign(n, py::none());
+  }
   arrays->requests.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     void* output = arrays->outputs.empty() ? nullptr : arrays->outputs[i].mutable_data();
-    arrays->requests.push_back(Prepare(a, arrays->inputs[i], output, names[i], &call->outcome(i)));
+    arrays->requests.push_back(
+        Prepare(a, arrays->inputs[i], engine_dtypes[i], output, names[i], &call->outcome(i)));
   }
 }
 
-// Request i's result, once its call has finished: raises its error.
-py::object Result(const Call& call, const Arrays& arrays, size_t i) {
-  const Outcome& o = call.outcome(i);
+// Request i's result, once its call has finished: raises its error. An
+// output the engine allocated becomes the result array's own memory.
+py::object Result(Call& call, Arrays& arrays, size_t i) {
+  Outcome& o = call.outcome(i);
   if (o.status != KR_OK) RaiseFor(o.status, o.message);
   if (!arrays.outputs.empty()) return arrays.outputs[i];
-  py::array out(arrays.inputs[i].dtype(), o.gathered_shape);
-  std::memcpy(out.mutable_data(), o.gathered.data(), out.nbytes());
-  return std::move(out);
-}
-
-// A submitted collective. Keeps its arrays alive until the engine is done.
-class Handle {
- public:
-  Handle(std::shared_ptr<Call> call, Arrays arrays)
-      : call_(std::move(call)), arrays_(std::move(arrays)) {}
-  ~Handle() {
-    if (call_->done()) return;
-    py::gil_scoped_release release;
-    call_->Wait();
+  if (o.gathered) {
+    py::capsule owner(o.gathered, [](void* p) { std::free(p); });
+    o.gathered = nullptr;
+    arrays.allocated[i] = py::array(arrays.inputs[i].dtype(), o.gathered_shape,
+                                    std::vector<py::ssize_t>(), owner.get_pointer(), owner);
   }
-
-  bool done() { return call_->done(); }
-
-  kr_request* request() { return &arrays_.requests[0]; }
-
-  py::list received_splits() {
-    wait();
-    py::list out;
-    for (int64_t s : call_->outcome(0).received_splits) out.append(s);
-    return out;
-  }
-
-  py::object wait() {
-    if (!call_->done()) {  // else no need to let go of the GIL
-      py::gil_scoped_release release;
-      call_->Wait();
-    }
-    return Result(*call_, arrays_, 0);
-  }
-
- private:
-  std::shared_ptr<Call> call_;
-  Arrays arrays_;
-};
-
-std::unique_ptr<Handle> Submit(int collective, const py::object& array, const std::string& name,
-                               int op, double prescale, double postscale, int root_rank,
-                               std::vector<int64_t> splits, int32_t process_set,
-                               int compression) {
-  const Args a{collective, op, prescale, postscale, root_rank, std::move(splits), process_set,
-               compression};
-  auto call = std::make_shared<Call>(1);
-  Arrays arrays;
-  PrepareAll(a, {Input(array)}, {name.c_str()}, call.get(), &arrays);
-  auto handle = std::make_unique<Handle>(std::move(call), std::move(arrays));
-  kr_enqueue(handle->request());  // refusals arrive through done, like any other outcome
-  return handle;
+  return arrays.allocated[i];
 }
 
 // The requests of a run() call on `arrays` (named by `names`), ready to run.
 class Batch {
  public:
-  Batch(Args args, const py::sequence& arrays, const py::sequence& names, std::string group)
+  Batch(Args args, const py::sequence& arrays, const py::sequence& names, std::string group,
+        const std::vector<int>& dtypes = {}, const py::object& outputs = py::none())
       : args_(std::move(args)), group_(std::move(group)) {
     if (PyUnicode_Check(names.ptr())) {
       throw py::type_error("keras-ring: run() needs a sequence of names, one per array. "
@@ -364,7 +407,7 @@ class Batch {
       inputs.push_back(Input(arrays[i]));
     }
     call_ = std::make_shared<Call>(n);
-    PrepareAll(args_, std::move(inputs), name_ptrs, call_.get(), &arrays_);
+    PrepareAll(args_, std::move(inputs), name_ptrs, dtypes, outputs, call_.get(), &arrays_);
   }
 
   // Runs every request, this thread running the engine while it waits (the
@@ -378,8 +421,7 @@ class Batch {
       bool* busy;
       ~Idle() { *busy = false; }
     } idle{&busy_};
-    call_->Reset();
-    ran_ = true;
+    Ready();
     {
       py::gil_scoped_release release;
       // Refusals arrive through done, like any other outcome.
@@ -387,14 +429,45 @@ class Batch {
                            group_.c_str(), &Call::Finished, call_.get());
       call_->Wait();
     }
-    for (size_t i = 0; i < arrays_.requests.size(); ++i) {
-      const Outcome& o = call_->outcome(i);
-      if (o.status != KR_OK) RaiseFor(o.status, o.message);
-    }
+    RaiseFirstError();
   }
 
+  // Hands every request to the engine's thread and returns (submit()).
+  void Start() {
+    Ready();
+    // Refusals arrive through done, like any other outcome.
+    kr_enqueue_group(arrays_.requests.data(), static_cast<int>(arrays_.requests.size()),
+                     group_.c_str());
+  }
+
+  bool done() { return call_->done(); }
+
+  // After Start(): waits for every request; raises the first one's error.
+  void Finish() {
+    if (!call_->done()) {  // else no need to let go of the GIL
+      py::gil_scoped_release release;
+      call_->Wait();
+    }
+    RaiseFirstError();
+  }
+
+  // Waits without the GIL, unless done: for a handle dropped while in flight.
+  void WaitQuietly() {
+    if (call_->done()) return;
+    py::gil_scoped_release release;
+    call_->Wait();
+  }
+
+  py::list received_splits(size_t i) const {
+    py::list out;
+    for (int64_t s : call_->outcome(i).received_splits) out.append(s);
+    return out;
+  }
+
+  size_t size() const { return arrays_.requests.size(); }
+
   // The results of the last Execute(), in order.
-  py::list Results() const {
+  py::list Results() {
     if (busy_ || !ran_) {
       throw std::runtime_error("keras-ring: the results of a prepared run are there once its "
                                "run() has returned");
@@ -405,6 +478,19 @@ class Batch {
   }
 
  private:
+  void Ready() {
+    call_->Reset();
+    std::fill(arrays_.allocated.begin(), arrays_.allocated.end(), py::none());
+    ran_ = true;
+  }
+
+  void RaiseFirstError() const {
+    for (size_t i = 0; i < arrays_.requests.size(); ++i) {
+      const Outcome& o = call_->outcome(i);
+      if (o.status != KR_OK) RaiseFor(o.status, o.message);
+    }
+  }
+
   Args args_;  // the requests point into its splits
   std::string group_;
   std::vector<py::object> names_;
@@ -413,13 +499,64 @@ class Batch {
   bool busy_ = false, ran_ = false;
 };
 
+// Submitted collectives (submit()): their arrays stay alive, and a handle
+// dropped while they run waits for them.
+class Handle {
+ public:
+  Handle(std::unique_ptr<Batch> batch, bool single)
+      : batch_(std::move(batch)), single_(single) {
+    batch_->Start();
+  }
+  ~Handle() { batch_->WaitQuietly(); }
+
+  bool done() { return batch_->done(); }
+
+  // The result (submit() of one array) or the list of results.
+  py::object wait() {
+    batch_->Finish();
+    py::list results = batch_->Results();
+    return single_ ? results[0] : py::object(results);
+  }
+
+  // Alltoall: waits, then returns the rows received from each rank (from
+  // each array's collective, for several).
+  py::object received_splits() {
+    batch_->Finish();
+    if (single_) return batch_->received_splits(0);
+    py::list all;
+    for (size_t i = 0; i < batch_->size(); ++i) all.append(batch_->received_splits(i));
+    return all;
+  }
+
+ private:
+  std::unique_ptr<Batch> batch_;
+  bool single_;
+};
+
+std::unique_ptr<Handle> Submit(int collective, const py::object& arrays, const py::object& names,
+                               int op, double prescale, double postscale, int root_rank,
+                               std::vector<int64_t> splits, int32_t process_set,
+                               int compression, const std::string& group,
+                               const std::vector<int>& dtypes, const py::object& outputs) {
+  // One array and one name, or a sequence of each.
+  const bool single = PyUnicode_Check(names.ptr());
+  const Args a{collective, op, prescale, postscale, root_rank, std::move(splits), process_set,
+               compression};
+  auto batch = single ? std::make_unique<Batch>(
+                            a, py::make_tuple(arrays), py::make_tuple(names), group, dtypes,
+                            outputs.is_none() ? outputs : py::object(py::make_tuple(outputs)))
+                      : std::make_unique<Batch>(a, arrays, names, group, dtypes, outputs);
+  return std::make_unique<Handle>(std::move(batch), single);
+}
+
 // Runs a collective on each array (named by `names`) and returns their results in order.
 py::list Run(int collective, const py::sequence& arrays, const py::sequence& names, int op,
              double prescale, double postscale, int root_rank, std::vector<int64_t> splits,
-             int32_t process_set, int compression, const std::string& group) {
+             int32_t process_set, int compression, const std::string& group,
+             const std::vector<int>& dtypes, const py::object& outputs) {
   Batch batch({collective, op, prescale, postscale, root_rank, std::move(splits), process_set,
                compression},
-              arrays, names, group);
+              arrays, names, group, dtypes, outputs);
   batch.Execute();
   return batch.Results();
 }
@@ -616,26 +753,32 @@ PYBIND11_MODULE(_engine, m) {
      "Writes to the engine's log if the level (0 trace .. 4 error) is enabled.");
 
   py::class_<Handle>(m, "Handle")
-      .def("done", &Handle::done, "True once the collective has completed (or failed).")
-      .def("wait", &Handle::wait, "Blocks until completion; returns the result or raises.")
+      .def("done", &Handle::done, "True once the collectives have completed (or failed).")
+      .def("wait", &Handle::wait, "Blocks until completion; returns the result(s) or raises.")
       .def("received_splits", &Handle::received_splits,
            "Alltoall: waits, then returns the rows received from each rank.");
-  m.def("submit", &Submit, py::arg("collective"), py::arg("array"), py::arg("name"),
+  m.def("submit", &Submit, py::arg("collective"), py::arg("arrays"), py::arg("names"),
         py::arg("op") = static_cast<int>(KR_SUM), py::arg("prescale_factor") = 1.0,
         py::arg("postscale_factor") = 1.0, py::arg("root_rank") = 0,
         py::arg("splits") = std::vector<int64_t>(), py::arg("process_set") = 0,
-        py::arg("compression") = static_cast<int>(KR_COMPRESSION_NONE),
-        "Starts a collective on a NumPy array and returns a Handle.");
+        py::arg("compression") = static_cast<int>(KR_COMPRESSION_NONE), py::arg("group") = "",
+        py::arg("dtypes") = std::vector<int>(), py::arg("outputs") = py::none(),
+        "Starts collectives and returns a Handle at once; the engine's thread runs them. "
+        "Takes one array and its name (the handle's wait() returns its result), or a "
+        "sequence of each (wait() returns the list), with run()'s other arguments.");
   m.def("run", &Run, py::arg("collective"), py::arg("arrays"), py::arg("names"),
         py::arg("op") = static_cast<int>(KR_SUM), py::arg("prescale_factor") = 1.0,
         py::arg("postscale_factor") = 1.0, py::arg("root_rank") = 0,
         py::arg("splits") = std::vector<int64_t>(), py::arg("process_set") = 0,
         py::arg("compression") = static_cast<int>(KR_COMPRESSION_NONE), py::arg("group") = "",
+        py::arg("dtypes") = std::vector<int>(), py::arg("outputs") = py::none(),
         "Runs a collective on each array (named by `names`) and returns the results in "
         "order; the calling thread runs the engine meanwhile (the fastest way to wait). "
         "With a `group` name, allreduces are agreed as one group: every rank must pass the "
-        "same group and names. The outputs of one call are views into one allocation, "
-        "which lives as long as any of them.");
+        "same group and names. `dtypes` (DTYPES codes) are the engine's types of the arrays' "
+        "elements where NumPy has none (bfloat16 held as 16-bit integers); allreduce and "
+        "broadcast write into `outputs` where given. New outputs of one allreduce or "
+        "broadcast call are views into one allocation, which lives as long as any of them.");
   py::class_<Batch>(m, "_PreparedRun",
                     "For benchmarks: collectives prepared once, as run() would, to be run "
                     "again and again without run()'s work per array. C-contiguous NumPy inputs "
@@ -649,6 +792,16 @@ PYBIND11_MODULE(_engine, m) {
       .def("run", &Batch::Execute,
            "Runs the prepared collectives again (every rank alike) into the same outputs.")
       .def("results", &Batch::Results, "The outputs of the last run, in order.");
+  py::dict dtypes;
+  for (const auto& [name, code] : {std::pair<const char*, kr_dtype>{"float16", KR_FLOAT16},
+                                   {"bfloat16", KR_BFLOAT16}, {"float32", KR_FLOAT32},
+                                   {"float64", KR_FLOAT64}, {"int8", KR_INT8},
+                                   {"uint8", KR_UINT8}, {"int32", KR_INT32}, {"int64", KR_INT64},
+                                   {"int16", KR_INT16}, {"uint16", KR_UINT16},
+                                   {"bool", KR_BOOL}}) {
+    dtypes[name] = static_cast<int>(code);
+  }
+  m.attr("DTYPES") = dtypes;  // the engine's dtypes by name, for run()'s dtypes
   m.attr("COMPRESSION_FP16") = static_cast<int>(KR_COMPRESSION_FP16);
   m.attr("COMPRESSION_BF16") = static_cast<int>(KR_COMPRESSION_BF16);
 }
