@@ -1,0 +1,46 @@
+"""keras_ring.torch: Horovod's PyTorch collectives across ranks; torch alone, without TensorFlow."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "torch_ops_worker.py"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np", [2, 3])
+def test_torch_ops(run_ranks, np):
+    run_ranks(np, WORKER, timeout=600)
+
+
+def test_torch_alone_never_imports_tensorflow_or_jax():
+    # Both are installed here; a PyTorch job must load neither (nor pay their start-up).
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import sys\n"
+         "import torch\n"
+         "import keras_ring.torch as hvd\n"
+         "hvd.init()\n"
+         "x = hvd.allreduce(torch.ones(3), op=hvd.Sum)\n"
+         "g = hvd.allgather(torch.ones(2, 1))\n"
+         "print(float(x.sum()), tuple(g.shape),\n"
+         "      'tensorflow' in sys.modules, 'jax' in sys.modules)\n"],
+        capture_output=True, text=True, timeout=300, env=os.environ,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3.0", "(2,", "1)", "False", "False"]
+
+
+def test_gpu_tensors_are_refused_with_the_way_out():
+    import torch
+
+    import keras_ring.torch as hvd
+
+    hvd.init()
+    with pytest.raises(ValueError, match="CPU tensors only.*meta.*tensor.cpu"):
+        hvd.allreduce(torch.ones(2, device="meta"))
