@@ -9,13 +9,21 @@ import pytest
 
 pytest.importorskip("torch")
 
-WORKER = pathlib.Path(__file__).parent / "workers" / "torch_ops_worker.py"
+WORKERS = pathlib.Path(__file__).parent / "workers"
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("np", [2, 3])
 def test_torch_ops(run_ranks, np):
-    run_ranks(np, WORKER, timeout=600)
+    run_ranks(np, WORKERS / "torch_ops_worker.py", timeout=600)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np", [2, 3])
+def test_torch_training_matches_one_optimizer_at_the_global_batch(run_ranks, np):
+    # DistributedOptimizer (every option), broadcast_parameters and _optimizer_state,
+    # synchronize()'s rules, SyncBatchNorm: see the worker's checks.
+    run_ranks(np, WORKERS / "torch_train_worker.py", timeout=600)
 
 
 def test_torch_alone_never_imports_tensorflow_or_jax():

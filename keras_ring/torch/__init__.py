@@ -53,6 +53,7 @@ from keras_ring.core._process_sets import (
 )
 from keras_ring.core._reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from keras_ring.core._timeline import start_timeline, stop_timeline
+from keras_ring.torch._functions import broadcast_optimizer_state, broadcast_parameters
 from keras_ring.torch._ops import (
     allgather,
     allgather_async,
@@ -82,19 +83,21 @@ from keras_ring.torch._ops import (
     sparse_allreduce_async,
     synchronize,
 )
+from keras_ring.torch._optimizer import DistributedOptimizer
+from keras_ring.torch._sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum", "Average", "Compression", "HorovodInternalError", "Max", "Min", "Product",
-    "ProcessSet", "Sum", "add_process_set", "allgather", "allgather_async", "allgather_object",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
-    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "ccl_built", "cross_rank", "cross_size",
-    "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "global_process_set",
-    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
+    "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
-    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-    "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set",
-    "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
-    "stop_timeline", "synchronize",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
+    "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]

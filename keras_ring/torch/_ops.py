@@ -748,6 +748,32 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     return handle
 
 
+def allreduce_gradients_async(tensors, name, op, prescale, postscale, set_id, compressor):
+    """Starts the allreduce of gradients, as one group, in place where they travel as they are.
+
+    Returns:
+        A function that waits and returns the reduced tensors: the inputs
+        themselves where no compression or copy came between.
+    """
+    compressed = [_compress(compressor, _checked(t, "DistributedOptimizer", reduces=True))
+                  for t in tensors]
+    sent = [c.contiguous() for c, _ in compressed]
+    names = [name] if len(sent) == 1 else [f"{name}.{i}" for i in range(len(sent))]
+    handle = _start(_engine().ALLREDUCE, sent, names, outputs=sent,
+                    group=name if len(sent) > 1 else "", op=op, prescale_factor=prescale,
+                    postscale_factor=postscale, process_set=set_id,
+                    compression=_compression.ENGINE_CODES.get(compressor, 0))
+
+    def wait():
+        try:
+            handle.wait()
+        except ValueError as e:
+            raise _as_runtime_error(e) from None
+        return [_decompress(compressor, s, ctx) for s, (_, ctx) in zip(sent, compressed)]
+
+    return wait
+
+
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """Starts the reduction of a sparse COO tensor: every rank's entries, gathered.
 
@@ -765,7 +791,8 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         gathered_indices = synchronize(indices)
         if op == Average:
             gathered_values = gathered_values / process_set.size()
-        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape,
+                                       check_invariants=False)
 
     return wait
 
