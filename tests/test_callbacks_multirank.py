@@ -16,7 +16,7 @@ SCENARIOS = [
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 @pytest.mark.parametrize("np", [3])
 def test_callbacks(run_ranks, tmp_path, np, backend):
     out_dir = tmp_path / "files"

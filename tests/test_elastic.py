@@ -48,8 +48,9 @@ def _processes_with(marker):
     return [p for p in pids if p != os.getpid() and marker.encode() in _environ(p)]
 
 
-def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT, prefix=()):
-    """Runs the training worker under `keras-ring-run --elastic`; returns (result, logs).
+def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT, prefix=(),
+                worker="elastic_train_worker.py"):
+    """Runs a training worker under `keras-ring-run --elastic`; returns (result, logs).
 
     logs: {worker: [events]}. `prefix` goes before the command (`ip netns exec HOST`).
     """
@@ -60,7 +61,7 @@ def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT, prefix=(
                 "KERAS_RING_TIMEOUT": "8", **(env or {})}
     before = _shm_segments()
     command = [*prefix, "keras-ring-run", "--elastic", *launcher_args, sys.executable,
-               str(WORKERS / "elastic_train_worker.py")]
+               str(WORKERS / worker)]
     process = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -142,8 +143,9 @@ def _losses_continue(logs):
 @pytest.mark.multirank
 @pytest.mark.parametrize(("start_rank", "fault", "backend"),
                          [(1, "KILL", "tensorflow"), (0, "KILL", "tensorflow"),
-                          (2, "RAISE", "tensorflow"), (1, "KILL", "jax")],
-                         ids=["rank1", "rank0", "rank2-raises", "rank1-jax"])
+                          (2, "RAISE", "tensorflow"), (1, "KILL", "jax"),
+                          (1, "KILL", "torch")],
+                         ids=["rank1", "rank0", "rank2-raises", "rank1-jax", "rank1-torch"])
 def test_a_lost_worker_leaves_the_others_training_from_the_last_commit(tmp_path, start_rank,
                                                                         fault, backend):
     result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "2"],
@@ -157,6 +159,20 @@ def test_a_lost_worker_leaves_the_others_training_from_the_last_commit(tmp_path,
     _losses_continue(logs)
     assert "lost" in result.stdout
     assert f"on {backend}" in result.stdout
+
+
+@pytest.mark.multirank
+def test_a_torch_loop_with_keras_ring_torch_elastic_goes_on_from_the_last_commit(tmp_path):
+    # Horovod's PyTorch elastic API (workers/elastic_torch_worker.py), rank 1 killed.
+    result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "2"],
+                               env={"KR_TEST_FAULT": "11:1:KILL"},
+                               worker="elastic_torch_worker.py")
+    check_training_went_on(result, logs, survivors=2)
+    resets = _resets(logs)
+    assert len(resets) == 2 and all(r["size"] == 2 for r in resets), resets
+    assert all(r["iterations"] == 10 for r in resets), resets
+    _losses_continue(logs)
+    assert result.stdout.count("on torch (keras imported: False, tensorflow imported: False)") == 2
 
 
 @pytest.mark.multirank

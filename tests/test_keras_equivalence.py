@@ -15,7 +15,7 @@ SUITES = ["core", "options", "lazy"]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 @pytest.mark.parametrize("np", [2, 3])
 def test_keras_equivalence(run_ranks, np, backend):
     # One job runs every suite: the ranks start the framework once.

@@ -52,3 +52,17 @@ def test_gpu_tensors_are_refused_with_the_way_out():
     hvd.init()
     with pytest.raises(ValueError, match="CPU tensors only.*meta.*tensor.cpu"):
         hvd.allreduce(torch.ones(2, device="meta"))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tensorflow", ["hidden", "installed"])
+def test_keras_on_torch_never_imports_tensorflow(run_ranks, tensorflow):
+    # The Keras layer whole (optimizer, callbacks, SyncBatchNormalization, uneven shards,
+    # kr.evaluate, KerasState) under KERAS_BACKEND=torch: as where TensorFlow is not
+    # installed, and where it is.
+    args = ["hide"] if tensorflow == "hidden" else []
+    result = run_ranks(2, WORKERS / "keras_torch_no_tf_worker.py", *args,
+                       env={"KERAS_BACKEND": "torch"})
+    for rank in range(2):
+        assert f"rank {rank}: same weights True" in result.stdout, result.stdout
+    assert result.stdout.count("tensorflow imported: False") == 2, result.stdout

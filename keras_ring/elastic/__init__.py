@@ -32,15 +32,38 @@ train(state)
 ```
 """
 
+import importlib
+
 from keras_ring.core._errors import HostsUpdatedInterrupt, WorkerLostError
-from keras_ring.elastic._commit_state_callback import CommitStateCallback
-from keras_ring.elastic._keras_state import KerasState, TensorFlowKerasState
 from keras_ring.elastic._object_state import ObjectState
 from keras_ring.elastic._run import run
 from keras_ring.elastic._state import State
-from keras_ring.elastic._tensorflow_state import TensorFlowState
-from keras_ring.elastic._update_batch_state_callback import UpdateBatchStateCallback
-from keras_ring.elastic._update_epoch_state_callback import UpdateEpochStateCallback
+
+# The states and callbacks of a framework import it: they load on first use,
+# so that a PyTorch script (`keras_ring.torch.elastic`) imports neither Keras
+# nor TensorFlow. Name -> the module that defines it.
+_LAZY = {
+    "CommitStateCallback": "keras_ring.elastic._commit_state_callback",
+    "KerasState": "keras_ring.elastic._keras_state",
+    "TensorFlowKerasState": "keras_ring.elastic._keras_state",
+    "TensorFlowState": "keras_ring.elastic._tensorflow_state",
+    "TorchState": "keras_ring.elastic._torch_state",
+    "UpdateBatchStateCallback": "keras_ring.elastic._update_batch_state_callback",
+    "UpdateEpochStateCallback": "keras_ring.elastic._update_epoch_state_callback",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 HorovodInternalError = WorkerLostError
 
@@ -53,6 +76,7 @@ __all__ = [
     "State",
     "TensorFlowKerasState",
     "TensorFlowState",
+    "TorchState",
     "UpdateBatchStateCallback",
     "UpdateEpochStateCallback",
     "WorkerLostError",

@@ -215,11 +215,12 @@ class SyncBatchNormalization(_BatchNormalization):
         # compiled step's cannot): first the counts and weighted means of
         # each channel, then, from the global mean, the squared deviations.
         sum_over_ranks = _backends.current().sum_over_ranks
-        total, weighted = sum_over_ranks([count, count * mean])
+        total, weighted = sum_over_ranks([count, count * mean], f"{self.path}/moments")
         global_mean = ops.divide_no_nan(weighted, total)
         # Chan et al.: the squared deviations from the global mean are each
         # rank's own plus its count times its mean's squared distance to it.
-        (squares,) = sum_over_ranks([squares + count * ops.square(mean - global_mean)])
+        (squares,) = sum_over_ranks([squares + count * ops.square(mean - global_mean)],
+                                    f"{self.path}/squares")
         if mask is None:
             return global_mean, ops.divide_no_nan(squares, total)
         # Keras divides masked sums by the weights plus its epsilon.

@@ -21,6 +21,8 @@ The collectives take CPU tensors (the engine does not reach GPUs yet). A Keras
 model under `KERAS_BACKEND=torch` needs only `keras_ring` itself.
 """
 
+import importlib
+
 from keras_ring.core._basics import (
     ccl_built,
     cross_rank,
@@ -86,6 +88,15 @@ from keras_ring.torch._ops import (
 from keras_ring.torch._optimizer import DistributedOptimizer
 from keras_ring.torch._sync_batch_norm import SyncBatchNorm
 
+
+def __getattr__(name):
+    # `hvd.elastic` as in Horovod, loaded on first use: the elastic layer sits
+    # above this one (keras_ring/torch/elastic.py, a face at Horovod's path).
+    if name == "elastic":
+        return importlib.import_module("keras_ring.torch.elastic")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
     "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather",
@@ -93,7 +104,7 @@ __all__ = [
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from keras_ring.core import _compression, _objects
+from keras_ring.core import _compression, _errors, _objects
 from keras_ring.core._collective_args import reduce_args
 from keras_ring.core._process_sets import global_process_set, process_set_id
 from keras_ring.core._reduce_ops import Average
@@ -211,6 +211,33 @@ class _Reducing:
         for p in self._kr_delay:
             self._kr_delay[p] = self.backward_passes_per_step
         return super().load_state_dict(state_dict)
+
+    def _kr_end_lost(self):
+        """Waits out the allreduces in flight of a world a lost worker ended; restarts the count."""
+        try:
+            for finish in self._kr_pending.values():
+                try:
+                    finish()
+                except Exception as error:  # noqa: BLE001 -- the lost world's errors end here
+                    if _errors.worker_lost(error) is None:
+                        raise
+        finally:
+            self._kr_pending.clear()
+            self._kr_ready.clear()
+            self._kr_synchronized = False
+            for p in self._kr_delay:
+                self._kr_delay[p] = self.backward_passes_per_step
+
+
+def end_lost_allreduces(optimizer):
+    """Has a `DistributedOptimizer` drop what a lost worker left in flight (an elastic reset).
+
+    Its gradients' allreduces of the step the loss interrupted end with the
+    world's error; the next backward pass starts afresh. Other optimizers
+    have nothing in flight.
+    """
+    if isinstance(optimizer, _Reducing):
+        optimizer._kr_end_lost()
 
 
 def _parameter_names(param_groups, named_parameters):

@@ -2,7 +2,7 @@
 
 Run with 2 or 3 ranks, under the test launcher or plainly, naming the suites
 to run in one job: `mpiexec -n 3 python tests/workers/keras_equivalence_worker.py core lazy`.
-It runs under the Keras backend that KERAS_BACKEND names (tensorflow or jax).
+It runs under the Keras backend that KERAS_BACKEND names (tensorflow, jax or torch).
 
 Every rank builds the same model from the same seed and generates the same
 global data; rank r trains on rows [r*b, (r+1)*b) of each global batch of
@@ -15,7 +15,8 @@ Suites:
         BatchNormalization at N*b), with SGD with momentum and Adam,
         through `model.fit` with `DistributedOptimizer` and through a custom
         loop (TF: `DistributedGradientTape`; JAX: a `jax.jit` step with
-        `keras_ring.jax`), on ranks that start from different weights.
+        `keras_ring.jax`; torch: `loss.backward()` and the distributed
+        optimizer's `apply`), on ranks that start from different weights.
     options: backward_passes_per_step, compression, op=Sum,
         gradient_predivide_factor, groups, steps_per_execution, and
         mixed_float16 with one rank's gradients non-finite for a step.
@@ -45,10 +46,14 @@ if BACKEND == "tensorflow":
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
     tf.get_logger().setLevel("ERROR")
-else:
+elif BACKEND == "jax":
     import jax
 
     import keras_ring.jax as krj
+else:
+    import torch
+
+    torch.set_num_threads(1)
 
 import keras  # noqa: E402
 
@@ -252,6 +257,27 @@ def distributed_jax_loop(kind, optimizer, seed=SEED):
     return model
 
 
+def distributed_torch_loop(kind, optimizer):
+    """Keras's custom loop under torch, on this rank's rows at batch BATCH.
+
+    `loss.backward()` and the distributed optimizer's `apply`, as in Keras's
+    guide to writing a training loop in torch.
+    """
+    model = build_model(kind)
+    optimizer = kr.DistributedOptimizer(optimizer)
+    loss_fn = keras.losses.MeanSquaredError()
+    x, y = (rank_rows(a) for a in global_data(kind))
+    for i in range(STEPS):
+        rows = slice(i * BATCH, (i + 1) * BATCH)
+        loss = loss_fn(torch.from_numpy(y[rows]), model(torch.from_numpy(x[rows]), training=True))
+        model.zero_grad()
+        loss.backward()
+        grads = [v.value.grad for v in model.trainable_variables]
+        with torch.no_grad():
+            optimizer.apply(grads, model.trainable_variables)
+    return model
+
+
 def distributed_tape(kind, optimizer, groups_of=None, **options):
     """A custom loop on this rank's rows with a DistributedGradientTape, at batch BATCH."""
     model = build_model(kind)
@@ -309,14 +335,17 @@ def check_core():
             if BACKEND == "jax":
                 check_weights(f"{kind} {name} jax.jit loop", distributed_jax_loop(kind, make()),
                               reference)
+            elif BACKEND == "torch":
+                check_weights(f"{kind} {name} torch loop", distributed_torch_loop(kind, make()),
+                              reference)
             else:
                 check_weights(f"{kind} {name} tape", distributed_tape(kind, make()), reference)
     # Batch statistics over every rank's rows: SyncBatchNormalization against one rank's
     # BatchNormalization at N*b, moving statistics included.
     check_weights("SyncBatchNormalization SGD fit", distributed_fit("syncbn", sgd()),
                   reference_fit("batchnorm", sgd()))
-    if BACKEND == "jax":
-        return  # JAX's gradients are dense: sparse_as_dense changes nothing
+    if BACKEND != "tensorflow":
+        return  # JAX's and torch's gradients are dense: sparse_as_dense changes nothing
     for name, make in (("SGD", sgd), ("Adam", adam)):
         reference = reference_dense_gradients("embedding", make())
         for run, distributed in (("fit", distributed_fit), ("tape", distributed_tape)):
@@ -329,8 +358,9 @@ def check_core():
 
 def check_options():
     reference = reference_fit("dense", sgd())
-    check_weights("dense SGD steps_per_execution=2",
-                  distributed_fit("dense", sgd(), steps_per_execution=2), reference)
+    if BACKEND != "torch":  # Keras's torch trainer runs one step at a time
+        check_weights("dense SGD steps_per_execution=2",
+                      distributed_fit("dense", sgd(), steps_per_execution=2), reference)
     check_passes()
     check_weights(
         "dense SGD op=Sum", distributed_fit("dense", sgd(0.1 / SIZE), op=kr.Sum), reference

@@ -13,8 +13,10 @@ them, as Keras's own `keras/src/backend/<name>/` modules do for Keras:
 - `grouped_allreduce(tensors, op, compression, prescale_factor,
   postscale_factor, name, process_set, device_dense, device_sparse)`: one
   grouped allreduce inside the step.
-- `sum_over_ranks(tensors)`: a grouped sum inside the step, named as the
-  backend names unnamed collectives (`SyncBatchNormalization`'s statistics).
+- `sum_over_ranks(tensors, name)`: a grouped sum inside the step
+  (`SyncBatchNormalization`'s statistics). `name` is the same at every
+  step; a backend that traces the step may name the sum by its place in
+  the trace instead.
 - `densify(grad)`, `divide(grad, n)`, `static_bytes(tensor)`: gradients that
   may be sparse (TF's `IndexedSlices`).
 - `when_ready(variables, fn)`: calls `fn()` eagerly once the variables hold
@@ -41,6 +43,7 @@ from keras_ring.core import _lifecycle
 _MODULES = {
     "tensorflow": "keras_ring.keras._backends._tensorflow",
     "jax": "keras_ring.keras._backends._jax",
+    "torch": "keras_ring.keras._backends._torch",
 }
 
 

@@ -66,7 +66,8 @@ def grouped_allreduce(tensors, op, compression, prescale_factor, postscale_facto
                                    name, process_set, device_dense, device_sparse)
 
 
-def sum_over_ranks(tensors):
+def sum_over_ranks(tensors, name):
+    del name  # named by its place in the traced step, in TF's name scopes
     return _ops.grouped_allreduce(tensors, op=Sum)
 
 
