@@ -116,6 +116,8 @@ typename D::Storage RefScale(typename D::Storage x, double factor) {
     }
     if (v >= std::ldexp(1.0, std::numeric_limits<S>::digits)) return std::numeric_limits<S>::max();
     return static_cast<S>(v);
+  } else if constexpr (std::is_same_v<S, float>) {
+    return x * static_cast<float>(factor);
   } else {
     return static_cast<S>(static_cast<double>(x) * factor);
   }

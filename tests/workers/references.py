@@ -62,13 +62,13 @@ def saturate(values, dtype):
 
 
 def scale(x, factor, dtype):
-    """The engine's scaling: in float64 (float32 for half types)."""
+    """The engine's scaling: by the factor in float32 for float32 and half types, else float64."""
     dtype = np.dtype(dtype)
     if factor == 1.0:
         return x
     if is_integer(dtype):
         return saturate(x.astype(np.float64) * factor, dtype)
-    if dtype.itemsize == 2:
+    if dtype.itemsize <= 4:
         return (x.astype(np.float32) * np.float32(factor)).astype(x.dtype)
     return (x.astype(np.float64) * factor).astype(x.dtype)
 
