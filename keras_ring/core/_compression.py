@@ -2,9 +2,40 @@
 
 Backend-free: the engine itself converts float32 and float64 tensors for
 `fp16` and `bf16` as it copies them (every framework's adapter passes it the
-compressor's `wire_dtype`); the methods below run only where the engine
-cannot, on TensorFlow tensors of other dtypes.
+compressor's `wire_dtype`); the methods below run where the engine cannot
+(tensors of other dtypes), or where a script calls them itself, as Horovod's
+allow. They cast in the tensor's own framework, which is never imported here.
 """
+
+import sys
+
+import numpy as np
+
+
+def _framework(tensor):
+    """'torch' or 'tensorflow' if `tensor` is one of theirs (imported already), else None."""
+    for name, kinds in (("torch", ("Tensor",)), ("tensorflow", ("Tensor", "Variable"))):
+        module = sys.modules.get(name)
+        if module is not None and isinstance(tensor, tuple(getattr(module, k) for k in kinds)):
+            return module
+    return None
+
+
+def _is_floating(dtype):
+    for attribute in ("is_floating_point", "is_floating"):  # torch's, TensorFlow's
+        if hasattr(dtype, attribute):
+            return bool(getattr(dtype, attribute))
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
+
+
+def _cast(tensor, dtype):
+    """`tensor` as `dtype` (a name, or its framework's dtype), in its own framework."""
+    framework = _framework(tensor)
+    if framework is None:
+        return tensor.astype(dtype)  # NumPy and JAX arrays
+    if framework.__name__ == "torch":
+        return tensor.to(getattr(framework, dtype) if isinstance(dtype, str) else dtype)
+    return framework.cast(tensor, dtype)
 
 
 class Compressor:
@@ -44,18 +75,14 @@ class _CastCompressor(Compressor):
 
     @classmethod
     def compress(cls, tensor):
-        import tensorflow as tf
-
-        if tensor.dtype.is_floating:
-            return tf.cast(tensor, cls.wire_dtype), tensor.dtype
+        if _is_floating(tensor.dtype):
+            return _cast(tensor, cls.wire_dtype), tensor.dtype
         return tensor, tensor.dtype
 
     @staticmethod
     def decompress(tensor, ctx):
-        import tensorflow as tf
-
-        if ctx.is_floating:
-            return tf.cast(tensor, ctx)
+        if _is_floating(ctx):
+            return _cast(tensor, ctx)
         return tensor
 
 

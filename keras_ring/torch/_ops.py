@@ -581,10 +581,10 @@ _handles = {}
 _handle_ids = itertools.count(1)
 
 
-def _handle(engine_handle, finish):
+def _handle(engine_handle, finish, key):
     """A Horovod handle: an int that `synchronize` and `poll` take."""
     handle = next(_handle_ids)
-    _handles[handle] = (engine_handle, finish)
+    _handles[handle] = (engine_handle, finish, key)
     return handle
 
 
@@ -603,22 +603,37 @@ def poll(handle):
 
 def synchronize(handle):
     """Waits for the collective of `handle`; returns its result (raises its error)."""
-    engine_handle, finish = _pending(handle)
+    engine_handle, finish, key = _pending(handle)
     del _handles[handle]
+    if _in_flight.get(key) is engine_handle:
+        del _in_flight[key]
     try:
         return finish(engine_handle.wait())
     except ValueError as e:
         raise _as_runtime_error(e) from None
 
 
+# The engine handle of each name in flight, by process set: a name given again
+# before its collective ends is refused at the call, as Horovod's are (the
+# engine itself would fail the second one only once its thread takes it).
+_in_flight = {}
+
+
 def _async(collective, tensors, name, kind, finish, outputs=None, group=False, **args):
     _basics._require_initialized(f"{kind}()")
     engine = _engine()
     name = _name(name, kind, args.get("process_set", 0))
+    key = (args.get("process_set", 0), name)
+    previous = _in_flight.get(key)
+    if previous is not None and not previous.done():
+        raise ValueError(f"keras-ring: {kind}: tensor {name!r} was submitted again while a "
+                         "collective of the same name is still in flight on this rank; names "
+                         "must be unique among concurrent operations (pass name=...)")
     names = [name] if len(tensors) == 1 else [f"{name}.{i}" for i in range(len(tensors))]
     handle = _start(getattr(engine, collective), tensors, names, outputs=outputs,
                     group=name if group and len(tensors) > 1 else "", **args)
-    return _handle(handle, finish)
+    _in_flight[key] = handle
+    return _handle(handle, finish, key)
 
 
 def _reduction_async(tensors, outputs, kind, average, name, op, prescale_factor,

@@ -172,12 +172,13 @@ class _Reducing:
         """Waits for the gradients' allreduces, then takes the wrapped optimizer's step."""
         if self._kr_should_synchronize:
             if self._kr_synchronized:
+                # Horovod's words first: filters of its warning by message match it too.
                 warnings.warn(
-                    "keras-ring: optimizer.step() after optimizer.synchronize() outside "
-                    "`with optimizer.skip_synchronize():` reduces the gradients a second time, "
-                    "which costs another allreduce (and with op=Sum multiplies them by the "
-                    "number of ranks). Take the step inside skip_synchronize() after calling "
-                    "synchronize().", stacklevel=2)
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize() (keras-ring): the gradients are reduced a second "
+                    "time, which costs another allreduce (and with op=Sum multiplies them by the "
+                    "number of ranks). Take the step inside `with optimizer.skip_synchronize():` "
+                    "after calling synchronize().", stacklevel=2)
             self.synchronize()
         self._kr_synchronized = False
         return super().step(closure)

@@ -286,6 +286,15 @@ def check_compression():
                 check.failures.append(f"rank {RANK}: compression changed {dtype} to {got.dtype}")
             check(f"compression {compression.__name__} {dtype}", to_numpy(got.float()),
                   expected, f32)
+    # Horovod's compressors called by a script itself, on torch tensors.
+    for compression, wire in ((hvd.Compression.fp16, torch.float16),
+                              (hvd.Compression.bf16, torch.bfloat16)):
+        for dtype in (torch.float32, torch.float64, torch.int32):
+            sent, ctx = compression.compress(torch.ones(3, dtype=dtype))
+            back = compression.decompress(sent, ctx)
+            if (sent.dtype, back.dtype) != ((wire if dtype.is_floating_point else dtype), dtype):
+                check.failures.append(f"rank {RANK}: {compression.__name__}.compress of {dtype} "
+                                      f"sent {sent.dtype}, gave back {back.dtype}")
 
 
 def check_process_set():
@@ -316,6 +325,22 @@ def check_handles_and_join():
     for i, h in reversed(list(enumerate(handles))):  # synchronized in another order
         check(f"handle {i}", to_numpy(hvd.synchronize(h)),
               np.full(5, sum(i + r for r in range(SIZE)), np.float32), np.float32)
+    # A name in flight given again: refused at the call, while the first goes on (rank 1
+    # submits its part only after rank 0 has tried twice).
+    if RANK != 1:
+        first = hvd.allreduce_async(torch.ones(2), op=hvd.Sum, name="twice")
+        try:
+            hvd.allreduce_async(torch.ones(2), op=hvd.Sum, name="twice")
+        except ValueError as e:
+            if "'twice'" not in str(e) or "in flight" not in str(e):
+                check.failures.append(f"rank {RANK}: unclear error for a name in flight: {e}")
+        else:
+            check.failures.append(f"rank {RANK}: a name in flight given again was not refused")
+    hvd.barrier()
+    if RANK == 1:
+        first = hvd.allreduce_async(torch.ones(2), op=hvd.Sum, name="twice")
+    check("the first of a name given twice", to_numpy(hvd.synchronize(first)),
+          np.full(2, SIZE, np.float32), np.float32)
     try:
         hvd.synchronize(handles[0])
     except ValueError as e:
