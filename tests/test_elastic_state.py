@@ -747,7 +747,8 @@ def test_shard_dataset_reads_the_world_when_called(monkeypatch):
 def test_importing_keras_ring_does_not_import_keras():
     code = ("import sys, keras_ring as kr; assert 'elastic' in dir(kr) and 'elastic' in kr.__all__;"
             "assert 'keras' not in sys.modules and 'tensorflow' not in sys.modules;"
-            "assert kr.elastic.run and 'keras' in sys.modules")
+            "assert kr.elastic.run and 'keras' not in sys.modules;"
+            "assert kr.elastic.KerasState and 'keras' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300,
                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
 

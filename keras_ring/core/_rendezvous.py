@@ -218,10 +218,11 @@ class _Logins:
             del self._per_address[login.peer[0]]
 
     def drop(self, login, refusal, now):
-        """Closes `login`'s connection and logs why."""
+        """Logs why, then closes `login`'s connection (so the line is there once the
+        client sees the close)."""
         self.remove(login)
-        login.sock.close()
         self.refusals.refuse(login.peer, refusal, now)
+        login.sock.close()
 
     def make_room(self, host, now):
         """Drops the oldest login from `host`, or the oldest of all, where the next would
@@ -583,8 +584,8 @@ class RendezvousServer:
                     login.sock, _format_address(login.peer), role, proof))
                 self._connections[login.sock] = thread
         except _Refused as refusal:
-            login.sock.close()
             refusals.refuse(login.peer, refusal, now)
+            login.sock.close()
             return
         thread.start()
 
