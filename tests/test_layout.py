@@ -13,7 +13,8 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_ring"
 # Bottom to top; a module may import its own folder and the folders below it.
 # The three adapters stand side by side and know nothing of each other.
-LAYERS = {"core": 0, "tensorflow": 1, "jax": 1, "torch": 1, "keras": 2, "elastic": 3, "launcher": 4}
+LAYERS = {"core": 0, "tensorflow": 1, "jax": 1, "torch": 1, "keras": 2, "elastic": 3, "launcher": 4,
+          "ray": 5}
 # The public faces at the top, which re-export the layers' names.
 PUBLIC_MODULES = {"__init__", "__main__", "callbacks", "timeline"}
 # Horovod's module paths inside an adapter's folder that are faces of a layer

@@ -231,7 +231,7 @@ def _stop(job):
 
 
 def _results(directory, np, returncode, tail):
-    results, failures = [], []
+    outcomes = []
     for rank in range(np):
         path = os.path.join(directory, f"result.{rank}.pkl")
         if not os.path.exists(path):
@@ -240,7 +240,16 @@ def _results(directory, np, returncode, tail):
                 f"Last output:\n{tail}"
             )
         with open(path, "rb") as f:
-            outcome = pickle.load(f)
+            outcomes.append(pickle.load(f))
+    return raise_first_failure(outcomes)
+
+
+def raise_first_failure(outcomes):
+    """The results of the ranks' outcomes (`_run_worker.outcome`, in rank order), or the
+    exception of the first rank that failed of its own accord, raised with its rank in a
+    note and its traceback as the cause."""
+    results, failures = [], []
+    for rank, outcome in enumerate(outcomes):
         if outcome[0] == "ok":
             results.append(outcome[1])
         else:
@@ -251,5 +260,5 @@ def _results(directory, np, returncode, tail):
     rank, exception, text, traceback_text = first
     if exception is None:  # it could not be pickled
         exception = RuntimeError(text)
-    exception.add_note(f"keras-ring: raised on rank {rank} of {np}")
+    exception.add_note(f"keras-ring: raised on rank {rank} of {len(outcomes)}")
     raise exception from _RemoteTraceback(f"\n\nTraceback on rank {rank}:\n{traceback_text}")

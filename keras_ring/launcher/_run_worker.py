@@ -53,7 +53,8 @@ class _PrefixedOutput:
             pump.join(timeout=5)
 
 
-def _outcome(fn, args, kwargs):
+def outcome(fn, args, kwargs):
+    """("ok", result) or ("error", exception or None, text, traceback) of `fn(*args, **kwargs)`."""
     try:
         return ("ok", fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 -- every failure goes back to the caller
@@ -71,9 +72,9 @@ def main(directory):
     try:
         with open(os.path.join(directory, "payload.pkl"), "rb") as f:
             fn, args, kwargs = pickle.load(f)
-        outcome = _outcome(fn, args, kwargs)
+        result = outcome(fn, args, kwargs)
         try:
-            data = cloudpickle.dumps(outcome)
+            data = cloudpickle.dumps(result)
         except Exception as e:  # noqa: BLE001 -- the result cannot travel back
             data = cloudpickle.dumps(("error", None, f"the result of rank {rank} cannot be "
                                       f"pickled: {type(e).__name__}: {e}", ""))
@@ -83,7 +84,7 @@ def main(directory):
         os.replace(path + ".tmp", path)
     finally:
         output.close()
-    return 0 if outcome[0] == "ok" else 1
+    return 0 if result[0] == "ok" else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,214 @@
+"""`RayExecutor`: Horovod's `horovod.ray.RayExecutor` on keras-ring's TCP world.
+
+The workers are Ray actors in a placement group; this process serves the
+job's rendezvous store (`_rendezvous.RendezvousServer`, with a secret made
+for the job), so no MPI launcher and no ssh are involved. Ranks on one Ray
+node get consecutive ranks and share the node's id as their host name, so
+shared memory serves within a node and the hierarchical path between nodes.
+"""
+
+import dataclasses
+import os
+import pickle
+import secrets
+import socket
+import sys
+
+try:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as e:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        'keras_ring.ray needs Ray: pip install "keras-ring[ray]"') from e
+
+import cloudpickle
+
+from keras_ring.core._rendezvous import RendezvousServer
+from keras_ring.launcher._run import raise_first_failure
+from keras_ring.launcher._tcp_jobs import job_env
+
+
+@dataclasses.dataclass
+class Settings:
+    """What `RayExecutor.create_settings` returns."""
+
+    timeout_s: float = 30
+    placement_group_timeout_s: float = 100
+    nics: object = None
+
+
+class _Worker:
+    """One rank: a Ray actor that runs the functions it is given."""
+
+    def node(self):
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def set_env(self, env):
+        os.environ.update({k: str(v) for k, v in env.items()})
+
+    def hostname(self):
+        return socket.gethostname()
+
+    def execute(self, payload, path):
+        # The function may live in a module beside the driver's script (a test's, say): the
+        # driver's import path is added after the worker's own, then the payload unpickled.
+        sys.path += [p for p in path if p not in sys.path and os.path.isdir(p)]
+        fn, args, kwargs = pickle.loads(payload)
+        return fn(*args, **kwargs)
+
+
+class RayExecutor:
+    """Runs a function on `num_workers` Ray actors that form one keras-ring job.
+
+    Horovod's `horovod.ray.RayExecutor`. Each worker's function calls
+    `kr.init()` itself, as a script would.
+
+    Args:
+        settings: From `RayExecutor.create_settings(...)`.
+        num_workers: The number of ranks, packed onto as few nodes as fit.
+        num_hosts: Instead of `num_workers`: this many nodes, one bundle
+            each (Ray's STRICT_SPREAD), ...
+        num_workers_per_host: ... with this many ranks on each.
+        cpus_per_worker: CPUs each actor reserves.
+        use_gpu: Refused while keras-ring runs on CPUs only.
+        gpus_per_worker: Refused with `use_gpu`.
+
+    Example:
+
+    ```python
+    import ray
+    from keras_ring.ray import RayExecutor
+
+    def train():
+        import keras_ring as kr
+        kr.init()
+        return kr.rank()
+
+    ray.init()
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    executor.start()
+    executor.run(train)  # [0, 1]
+    executor.shutdown()
+    ```
+    """
+
+    def __init__(self, settings, num_workers=None, num_hosts=None, num_workers_per_host=1,
+                 cpus_per_worker=1, use_gpu=False, gpus_per_worker=None,
+                 use_current_placement_group=True):
+        if use_gpu or gpus_per_worker:
+            raise ValueError("keras-ring on Ray runs on CPUs only for now. Received: "
+                             f"use_gpu={use_gpu!r}, gpus_per_worker={gpus_per_worker!r}")
+        if (num_workers is None) == (num_hosts is None):
+            raise ValueError("Pass `num_workers`, or `num_hosts` with `num_workers_per_host`. "
+                             f"Received: num_workers={num_workers!r}, num_hosts={num_hosts!r}")
+        self.settings = settings
+        self._num_workers = num_workers
+        self._num_hosts = num_hosts
+        self._per_host = num_workers_per_host or 1
+        self._cpus = cpus_per_worker
+        self._workers = None
+        self._group = None
+        self._server = None
+
+    @classmethod
+    def create_settings(cls, timeout_s=30, ssh_identity_file=None, ssh_str=None,
+                        placement_group_timeout_s=100, nics=None, verbose=None):
+        """Horovod's settings; ssh is not used (the driver serves the rendezvous)."""
+        return Settings(timeout_s=timeout_s, placement_group_timeout_s=placement_group_timeout_s,
+                        nics=nics)
+
+    def start(self, executable_cls=None, executable_args=None, executable_kwargs=None,
+              extra_env_vars=None):
+        """Places the workers, starts them and gives each its rank and the job's store."""
+        if self._workers is not None:
+            raise RuntimeError("This RayExecutor has started already; shutdown() first.")
+        if self._num_workers is not None:
+            bundles = [{"CPU": self._cpus}] * self._num_workers
+            strategy, per_bundle = "PACK", 1
+        else:
+            bundles = [{"CPU": self._cpus * self._per_host}] * self._num_hosts
+            strategy, per_bundle = "STRICT_SPREAD", self._per_host
+        self._group = placement_group(bundles, strategy=strategy)
+        ready, _ = ray.wait([self._group.ready()],
+                            timeout=self.settings.placement_group_timeout_s)
+        if not ready:
+            self.shutdown()
+            raise TimeoutError(
+                f"keras-ring: Ray could not place {len(bundles)} bundles of {bundles[0]} "
+                f"({strategy}) within {self.settings.placement_group_timeout_s} s; the cluster "
+                f"has {ray.available_resources()} free.")
+        actor = ray.remote(_Worker)
+        workers = [
+            actor.options(num_cpus=self._cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._group, placement_group_bundle_index=b)).remote()
+            for b in range(len(bundles)) for _ in range(per_bundle)]
+        nodes = ray.get([w.node.remote() for w in workers], timeout=self.settings.timeout_s)
+        # Ranks of one node are consecutive, nodes in the order of their first worker.
+        order = {}
+        for node_id, _ in nodes:
+            order.setdefault(node_id, len(order))
+        ranked = sorted(range(len(workers)), key=lambda i: order[nodes[i][0]])
+        self._workers = [workers[i] for i in ranked]
+        secret = secrets.token_hex(32)
+        host = ray.util.get_node_ip_address()
+        self._server = RendezvousServer(secret.encode(), host=host)
+        self._server.start()
+        store = f"{host}:{self._server.address[1]}"
+        size = len(self._workers)
+        ray.get([w.set_env.remote({
+            **job_env(dict(extra_env_vars or {}), store, secret),
+            "KERAS_RING_RANK": rank, "KERAS_RING_SIZE": size,
+            "KERAS_RING_HOSTNAME": nodes[i][0]})
+            for rank, (i, w) in enumerate(zip(ranked, self._workers))],
+            timeout=self.settings.timeout_s)
+
+    def run(self, fn, args=None, kwargs=None, callbacks=None):
+        """`fn(*args, **kwargs)` on every worker; their results in rank order."""
+        return self._collect(self.run_remote(fn, args, kwargs))
+
+    def run_remote(self, fn, args=None, kwargs=None):
+        """As `run`, without waiting: one Ray object ref per worker, in rank order."""
+        workers = self._started()
+        payload = ray.put(cloudpickle.dumps((fn, tuple(args or ()), dict(kwargs or {}))))
+        path = [p for p in sys.path if p]
+        return [w.execute.remote(payload, path) for w in workers]
+
+    def execute(self, fn, callbacks=None):
+        """`fn(None)` on every worker (Horovod's executable: none here), in rank order."""
+        return self.run(fn, args=(None,))
+
+    def execute_single(self, fn):
+        """`fn(None)` on rank 0 only; its result."""
+        return self._collect(self.run_remote(fn, args=(None,))[:1])[0]
+
+    def shutdown(self):
+        """Stops the workers and frees their placement group and the store."""
+        for w in self._workers or []:
+            ray.kill(w)
+        self._workers = None
+        if self._group is not None:
+            remove_placement_group(self._group)
+            self._group = None
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def _started(self):
+        if self._workers is None:
+            raise RuntimeError("This RayExecutor is not started: call start() first "
+                               "(and not after shutdown()).")
+        return self._workers
+
+    def _collect(self, refs):
+        return raise_first_failure([_outcome(ref) for ref in refs])
+
+
+def _outcome(ref):
+    """A worker's result as `_run_worker.outcome` gives it, from its Ray object ref."""
+    try:
+        return ("ok", ray.get(ref))
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(e.cause, BaseException) else None
+        text = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+        return ("error", cause, text, str(e))
