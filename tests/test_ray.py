@@ -109,6 +109,26 @@ def test_a_workers_exception_comes_back_with_its_rank_and_traceback(executor):
     assert "Traceback on rank 1" in str(info.value.__cause__)
 
 
+class _Counter:
+    def __init__(self, start):
+        self.count = start
+
+    def bump(self):
+        self.count += 1
+        return self.count
+
+
+def test_execute_calls_each_workers_executable(cluster):
+    ex = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+    ex.start(executable_cls=_Counter, executable_args=[10])
+    try:
+        assert ex.execute(lambda counter: counter.bump()) == [11, 11]
+        assert ex.execute_single(lambda counter: counter.bump()) == 12
+        assert ex.execute(lambda counter: counter.count) == [12, 11]
+    finally:
+        ex.shutdown()
+
+
 def test_run_before_start_and_after_shutdown_is_refused(cluster):
     ex = RayExecutor(RayExecutor.create_settings(), num_workers=1)
     with pytest.raises(RuntimeError, match="call start"):

@@ -11,7 +11,6 @@ import dataclasses
 import os
 import pickle
 import secrets
-import socket
 import sys
 
 try:
@@ -35,27 +34,38 @@ class Settings:
 
     timeout_s: float = 30
     placement_group_timeout_s: float = 100
-    nics: object = None
 
 
 class _Worker:
     """One rank: a Ray actor that runs the functions it is given."""
 
+    executable = None
+
     def node(self):
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        return ray.get_runtime_context().get_node_id()
 
     def set_env(self, env):
         os.environ.update({k: str(v) for k, v in env.items()})
 
-    def hostname(self):
-        return socket.gethostname()
+    def start_executable(self, payload, path):
+        cls, args, kwargs = _load(payload, path)
+        self.executable = cls(*args, **kwargs)
 
-    def execute(self, payload, path):
-        # The function may live in a module beside the driver's script (a test's, say): the
-        # driver's import path is added after the worker's own, then the payload unpickled.
-        sys.path += [p for p in path if p not in sys.path and os.path.isdir(p)]
-        fn, args, kwargs = pickle.loads(payload)
-        return fn(*args, **kwargs)
+    def execute(self, payload, path, executable):
+        fn, args, kwargs = _load(payload, path)
+        return fn(self.executable) if executable else fn(*args, **kwargs)
+
+
+def _load(payload, path):
+    # What travels may live in a module beside the driver's script (a test's, say): the
+    # driver's import path is added after the worker's own, then the payload unpickled.
+    sys.path += [p for p in path if p not in sys.path and os.path.isdir(p)]
+    return pickle.loads(payload)
+
+
+def _pack(call):
+    """`call` pickled by value, and the driver's import path, for `_load` on a worker."""
+    return ray.put(cloudpickle.dumps(call)), [p for p in sys.path if p]
 
 
 class RayExecutor:
@@ -73,6 +83,8 @@ class RayExecutor:
         cpus_per_worker: CPUs each actor reserves.
         use_gpu: Refused while keras-ring runs on CPUs only.
         gpus_per_worker: Refused with `use_gpu`.
+        use_current_placement_group: Accepted; the executor makes a
+            placement group of its own in every case.
 
     Example:
 
@@ -114,9 +126,11 @@ class RayExecutor:
     @classmethod
     def create_settings(cls, timeout_s=30, ssh_identity_file=None, ssh_str=None,
                         placement_group_timeout_s=100, nics=None, verbose=None):
-        """Horovod's settings; ssh is not used (the driver serves the rendezvous)."""
-        return Settings(timeout_s=timeout_s, placement_group_timeout_s=placement_group_timeout_s,
-                        nics=nics)
+        """Horovod's settings. `timeout_s` bounds the workers' start; `placement_group_timeout_s`
+        Ray's placement. The ssh arguments and `nics` have no use (the driver serves the store,
+        and each rank listens on the address it reaches the store from); `verbose` is taken as
+        Horovod's docs pass it."""
+        return Settings(timeout_s=timeout_s, placement_group_timeout_s=placement_group_timeout_s)
 
     def start(self, executable_cls=None, executable_args=None, executable_kwargs=None,
               extra_env_vars=None):
@@ -139,27 +153,44 @@ class RayExecutor:
                 f"({strategy}) within {self.settings.placement_group_timeout_s} s; the cluster "
                 f"has {ray.available_resources()} free.")
         actor = ray.remote(_Worker)
-        workers = [
+        self._workers = [
             actor.options(num_cpus=self._cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self._group, placement_group_bundle_index=b)).remote()
             for b in range(len(bundles)) for _ in range(per_bundle)]
-        nodes = ray.get([w.node.remote() for w in workers], timeout=self.settings.timeout_s)
+        try:
+            self._connect(extra_env_vars)
+            if executable_cls is not None:
+                payload, path = _pack((executable_cls, executable_args or [],
+                                       executable_kwargs or {}))
+                ray.get([w.start_executable.remote(payload, path) for w in self._workers])
+        except BaseException:
+            self.shutdown()  # no actor, group or store is left behind
+            raise
+
+    def _connect(self, extra_env_vars):
+        """Ranks the started actors by node and gives each its rank and the job's store."""
+        try:
+            nodes = ray.get([w.node.remote() for w in self._workers],
+                            timeout=self.settings.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"keras-ring: the {len(self._workers)} Ray actors did not all start within "
+                f"timeout_s={self.settings.timeout_s} s") from None
         # Ranks of one node are consecutive, nodes in the order of their first worker.
         order = {}
-        for node_id, _ in nodes:
-            order.setdefault(node_id, len(order))
-        ranked = sorted(range(len(workers)), key=lambda i: order[nodes[i][0]])
-        self._workers = [workers[i] for i in ranked]
+        for node in nodes:
+            order.setdefault(node, len(order))
+        ranked = sorted(range(len(nodes)), key=lambda i: order[nodes[i]])
+        self._workers = [self._workers[i] for i in ranked]
         secret = secrets.token_hex(32)
         host = ray.util.get_node_ip_address()
         self._server = RendezvousServer(secret.encode(), host=host)
         self._server.start()
         store = f"{host}:{self._server.address[1]}"
-        size = len(self._workers)
         ray.get([w.set_env.remote({
             **job_env(dict(extra_env_vars or {}), store, secret),
-            "KERAS_RING_RANK": rank, "KERAS_RING_SIZE": size,
-            "KERAS_RING_HOSTNAME": nodes[i][0]})
+            "KERAS_RING_RANK": rank, "KERAS_RING_SIZE": len(nodes),
+            "KERAS_RING_HOSTNAME": nodes[i]})
             for rank, (i, w) in enumerate(zip(ranked, self._workers))],
             timeout=self.settings.timeout_s)
 
@@ -169,18 +200,16 @@ class RayExecutor:
 
     def run_remote(self, fn, args=None, kwargs=None):
         """As `run`, without waiting: one Ray object ref per worker, in rank order."""
-        workers = self._started()
-        payload = ray.put(cloudpickle.dumps((fn, tuple(args or ()), dict(kwargs or {}))))
-        path = [p for p in sys.path if p]
-        return [w.execute.remote(payload, path) for w in workers]
+        return self._submit(self._started(), (fn, tuple(args or ()), dict(kwargs or {})), False)
 
     def execute(self, fn, callbacks=None):
-        """`fn(None)` on every worker (Horovod's executable: none here), in rank order."""
-        return self.run(fn, args=(None,))
+        """`fn(executable)` on every worker, where `executable` is its instance of `start`'s
+        `executable_cls` (None without one); the results in rank order."""
+        return self._collect(self._submit(self._started(), (fn, (), {}), True))
 
     def execute_single(self, fn):
-        """`fn(None)` on rank 0 only; its result."""
-        return self._collect(self.run_remote(fn, args=(None,))[:1])[0]
+        """`fn(executable)` on rank 0 only; its result."""
+        return self._collect(self._submit(self._started()[:1], (fn, (), {}), True))[0]
 
     def shutdown(self):
         """Stops the workers and frees their placement group and the store."""
@@ -199,6 +228,10 @@ class RayExecutor:
             raise RuntimeError("This RayExecutor is not started: call start() first "
                                "(and not after shutdown()).")
         return self._workers
+
+    def _submit(self, workers, call, executable):
+        payload, path = _pack(call)
+        return [w.execute.remote(payload, path, executable) for w in workers]
 
     def _collect(self, refs):
         return raise_first_failure([_outcome(ref) for ref in refs])
