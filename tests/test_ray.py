@@ -64,7 +64,7 @@ def _ranks():
 
 def test_results_come_back_in_rank_order(executor):
     assert executor.run(_ranks) == [(0, 2, 0, 2), (1, 2, 1, 2)]
-    assert ray.get(executor.run_remote(_ranks)) [1][0] == 1
+    assert ray.get(executor.run_remote(_ranks))[1][0] == 1
     assert executor.execute_single(lambda _: _ranks()[0]) == 0
 
 

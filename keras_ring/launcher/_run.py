@@ -245,7 +245,7 @@ def _results(directory, np, returncode, tail):
 
 
 def raise_first_failure(outcomes):
-    """The results of the ranks' outcomes (`_run_worker.outcome`, in rank order), or the
+    """The results of the ranks' outcomes (`_run_worker._outcome`'s tuples, in rank order), or the
     exception of the first rank that failed of its own accord, raised with its rank in a
     note and its traceback as the cause."""
     results, failures = [], []

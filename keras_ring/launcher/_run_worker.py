@@ -53,7 +53,7 @@ class _PrefixedOutput:
             pump.join(timeout=5)
 
 
-def outcome(fn, args, kwargs):
+def _outcome(fn, args, kwargs):
     """("ok", result) or ("error", exception or None, text, traceback) of `fn(*args, **kwargs)`."""
     try:
         return ("ok", fn(*args, **kwargs))
@@ -72,7 +72,7 @@ def main(directory):
     try:
         with open(os.path.join(directory, "payload.pkl"), "rb") as f:
             fn, args, kwargs = pickle.load(f)
-        result = outcome(fn, args, kwargs)
+        result = _outcome(fn, args, kwargs)
         try:
             data = cloudpickle.dumps(result)
         except Exception as e:  # noqa: BLE001 -- the result cannot travel back

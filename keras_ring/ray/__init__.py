@@ -1,6 +1,6 @@
 """keras-ring on Ray (`horovod.ray`): `RayExecutor` runs a training function on Ray actors.
 
-Work in progress (issue 29): the static executor on one Ray cluster.
+Horovod's `ElasticRayExecutor` and a Ray Train trainer are not here yet (docs/ray.md).
 """
 
 from keras_ring.ray._executor import RayExecutor

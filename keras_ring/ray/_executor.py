@@ -17,7 +17,7 @@ try:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-except ImportError as e:  # pragma: no cover - exercised without the extra
+except ImportError as e:
     raise ImportError(
         'keras_ring.ray needs Ray: pip install "keras-ring[ray]"') from e
 
@@ -238,7 +238,7 @@ class RayExecutor:
 
 
 def _outcome(ref):
-    """A worker's result as `_run_worker.outcome` gives it, from its Ray object ref."""
+    """A worker's result, from its Ray object ref, as the tuple `raise_first_failure` takes."""
     try:
         return ("ok", ray.get(ref))
     except ray.exceptions.RayTaskError as e:
