@@ -1,7 +1,14 @@
-"""keras-ring's collectives on `jax.Array`s: one XLA FFI custom call each.
+"""keras-ring's collectives on `jax.Array`s: an XLA FFI custom call each under a trace.
 
-Every collective is a custom call into the engine (custom_ops/jax/ffi.cc),
-eagerly and inside `jax.jit` alike; none goes through a Python callback.
+Inside `jax.jit` (and under any transformation that traces) a collective is
+a custom call into the engine (custom_ops/jax/ffi.cc); none goes through a
+Python callback. Eagerly, a collective of up to 1 MiB goes to the engine
+through its NumPy binding, over the arrays' host buffers, as keras_ring.torch's
+ops do: a custom call run eagerly compiles an XLA program for each new shape
+(about 20 ms here) and costs twice the binding's call on every later one.
+Larger arrays stay custom calls, which write into XLA's buffers where the
+binding's results would be copied.
+
 Ranks match collectives by name. Without a `name`, a collective traced inside
 `jax.jit` is numbered in the order this process traced it, which is the same
 on every rank that traces the same functions; an eager collective waits for
@@ -42,6 +49,9 @@ _REDUCED_DTYPES = tuple(
 )
 _MOVED_DTYPES = tuple(np.dtype(d) for d in ("int16", "uint16", "bool"))
 _FLOAT_DTYPES = _REDUCED_DTYPES[:4]
+_BFLOAT16 = _REDUCED_DTYPES[1]
+# The engine's codes (kr_dtype) of the dtypes above, in their order.
+_CODES = {dtype: code for code, dtype in enumerate(_REDUCED_DTYPES + _MOVED_DTYPES)}
 _ENGINE_COMPRESSION = _compression.ENGINE_CODES
 
 # Names of collectives traced without one: "jax.<kind>.<n>".
@@ -129,7 +139,8 @@ def _array(value, api, reduces=False):
                 "process per device (jax.pmap and shard_map over several local devices are "
                 f"not supported). Received: an array sharded over {len(value.devices())} devices"
             )
-    array = jnp.asarray(value)
+    # An array as it is: jnp.asarray of one is an XLA program, compiled per shape.
+    array = value if isinstance(value, jax.Array) else jnp.asarray(value)
     dtype = np.dtype(array.dtype)
     if dtype in _REDUCED_DTYPES or (dtype in _MOVED_DTYPES and not reduces):
         return array
@@ -205,8 +216,55 @@ def _eager_function(call, outputs):
     return jax.jit(_function(call, [_struct(shape, jnp.dtype(name)) for shape, name in outputs]))
 
 
+# Above this, an eager collective is a custom call: the engine then writes into XLA's own
+# buffer, where the binding's result would be copied into a new one (at 4 MiB that copy made
+# the call 1.3x as long as the custom call's; at 1 MiB they were equal).
+_BINDING_BYTES = 1 << 20
+
+
+def _host(array):
+    """A NumPy view of an array's buffer on the host (bfloat16 as int16, the engine's way)."""
+    view = np.asarray(array)
+    return view.view(np.int16) if view.dtype == _BFLOAT16 else view
+
+
+def _through_binding(call, arrays):
+    """Runs one collective of concrete arrays through the engine's binding, as a torch op does.
+
+    No program is compiled for the call's shapes, and none is dispatched: an eager collective
+    costs what the engine's own call does. Tensor i of several is `<name>.<i>`, and a grouped
+    call's tensors are one engine group of its name, as in the custom call.
+    """
+    engine = _basics._engine()
+    count = len(arrays)
+    names = [f"{call.name}.{i}" if call.grouped or count > 1 else call.name
+             for i in range(count)]
+    args = dict(op=call.reduce_op, prescale_factor=call.prescale_factor,
+                postscale_factor=call.postscale_factor, root_rank=call.root_rank,
+                process_set=call.set_id, compression=call.compression,
+                group=call.name if call.grouped and count > 1 else "",
+                dtypes=[_CODES[np.dtype(a.dtype)] for a in arrays])
+    views = [_host(a) for a in arrays]
+    if call.collective == _ALLTOALL:
+        handle = engine.submit(engine.ALLTOALL, views, names, splits=list(call.splits or ()),
+                               **args)
+        results = [*handle.wait(), np.asarray(handle.received_splits()[0], np.int32)]
+    else:
+        results = engine.run(call.collective, views, names, **args)
+    return [jnp.asarray(r.view(_BFLOAT16) if i < count and arrays[i].dtype == _BFLOAT16 else r)
+            for i, r in enumerate(results)]
+
+
 def _ffi(call, arrays, outputs):
-    """Runs one custom call; eagerly, waits for it and raises the engine's error."""
+    """Runs one collective; eagerly, waits for it and raises the engine's error.
+
+    Arrays of up to `_BINDING_BYTES` go through the engine's binding; larger ones, and traced
+    arrays (or tracers whose values are known, under a transformation such as `jax.grad`),
+    through the custom call.
+    """
+    if (not any(isinstance(a, jax.core.Tracer) for a in arrays)
+            and sum(a.nbytes for a in arrays) <= _BINDING_BYTES):
+        return _through_binding(call, arrays)
     _build.load()
     operands = list(arrays)
     if call.collective == _ALLTOALL:
