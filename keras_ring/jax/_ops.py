@@ -49,9 +49,6 @@ _REDUCED_DTYPES = tuple(
 )
 _MOVED_DTYPES = tuple(np.dtype(d) for d in ("int16", "uint16", "bool"))
 _FLOAT_DTYPES = _REDUCED_DTYPES[:4]
-_BFLOAT16 = _REDUCED_DTYPES[1]
-# The engine's codes (kr_dtype) of the dtypes above, in their order.
-_CODES = {dtype: code for code, dtype in enumerate(_REDUCED_DTYPES + _MOVED_DTYPES)}
 _ENGINE_COMPRESSION = _compression.ENGINE_CODES
 
 # Names of collectives traced without one: "jax.<kind>.<n>".
@@ -222,18 +219,13 @@ def _eager_function(call, outputs):
 _BINDING_BYTES = 1 << 20
 
 
-def _host(array):
-    """A NumPy view of an array's buffer on the host (bfloat16 as int16, the engine's way)."""
-    view = np.asarray(array)
-    return view.view(np.int16) if view.dtype == _BFLOAT16 else view
-
-
 def _through_binding(call, arrays):
     """Runs one collective of concrete arrays through the engine's binding, as a torch op does.
 
     No program is compiled for the call's shapes, and none is dispatched: an eager collective
     costs what the engine's own call does. Tensor i of several is `<name>.<i>`, and a grouped
-    call's tensors are one engine group of its name, as in the custom call.
+    call's tensors are one engine group of its name, as in the custom call. The binding takes
+    the arrays' host buffers as NumPy arrays (bfloat16 as ml_dtypes' type, as JAX holds it).
     """
     engine = _basics._engine()
     count = len(arrays)
@@ -242,25 +234,23 @@ def _through_binding(call, arrays):
     args = dict(op=call.reduce_op, prescale_factor=call.prescale_factor,
                 postscale_factor=call.postscale_factor, root_rank=call.root_rank,
                 process_set=call.set_id, compression=call.compression,
-                group=call.name if call.grouped and count > 1 else "",
-                dtypes=[_CODES[np.dtype(a.dtype)] for a in arrays])
-    views = [_host(a) for a in arrays]
+                group=call.name if call.grouped and count > 1 else "")
+    views = [np.asarray(a) for a in arrays]
     if call.collective == _ALLTOALL:
         handle = engine.submit(engine.ALLTOALL, views, names, splits=list(call.splits or ()),
                                **args)
         results = [*handle.wait(), np.asarray(handle.received_splits()[0], np.int32)]
     else:
         results = engine.run(call.collective, views, names, **args)
-    return [jnp.asarray(r.view(_BFLOAT16) if i < count and arrays[i].dtype == _BFLOAT16 else r)
-            for i, r in enumerate(results)]
+    return [jnp.asarray(r) for r in results]
 
 
-def _ffi(call, arrays, outputs):
+def _run(call, arrays, outputs):
     """Runs one collective; eagerly, waits for it and raises the engine's error.
 
-    Arrays of up to `_BINDING_BYTES` go through the engine's binding; larger ones, and traced
-    arrays (or tracers whose values are known, under a transformation such as `jax.grad`),
-    through the custom call.
+    Arrays of up to `_BINDING_BYTES` go through the engine's binding; larger ones, and tracers
+    (of `jax.jit`, `jax.vmap` or any transformation that gets here with one), through the
+    custom call.
     """
     if (not any(isinstance(a, jax.core.Tracer) for a in arrays)
             and sum(a.nbytes for a in arrays) <= _BINDING_BYTES):
@@ -294,24 +284,24 @@ def _even_rows(rows, size, index):
 def _forward(call, arrays):
     """The collective's results, without the custom VJP."""
     if call.collective in (_ALLREDUCE, _BROADCAST):
-        return tuple(_ffi(call, arrays, [_struct(a.shape, a.dtype) for a in arrays]))
+        return tuple(_run(call, arrays, [_struct(a.shape, a.dtype) for a in arrays]))
     if call.collective == _ALLGATHER:
         structs = [_struct((sum(rows),) + a.shape[1:], a.dtype)
                    for a, rows in zip(arrays, call.rows)]
-        return tuple(_ffi(call, arrays, structs))
+        return tuple(_run(call, arrays, structs))
     if call.collective == _REDUCESCATTER:
         structs = [
             _struct((_even_rows(a.shape[0], call.set_size, call.set_rank),) + a.shape[1:],
                     a.dtype)
             for a in arrays
         ]
-        return tuple(_ffi(call, arrays, structs))
+        return tuple(_run(call, arrays, structs))
     # Alltoall: the array, then the received splits.
     (array,) = arrays
     rows = sum(call.received) if call.received is not None else array.shape[0]
     structs = [_struct((rows,) + array.shape[1:], array.dtype),
                _struct((call.set_size,), np.int32)]
-    return tuple(_ffi(call, arrays, structs))
+    return tuple(_run(call, arrays, structs))
 
 
 def _collective(call, arrays):
