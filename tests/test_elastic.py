@@ -22,16 +22,21 @@ import time
 
 import pytest
 from conftest import RANK_THREAD_ENV
+from elastic_checks import (
+    EPOCHS,
+    STEPS,
+    check_training_went_on,
+    events_of,
+    losses_continue,
+    read_logs,
+    resets_of,
+    shm_segments,
+)
 from netns_hosts import IFACE
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 ROOT = pathlib.Path(__file__).parent.parent
-EPOCHS, STEPS = 4, 8
 JOB_TIMEOUT = 420
-
-
-def _shm_segments():
-    return set(glob.glob("/dev/shm/kr-*"))
 
 
 def _environ(pid):
@@ -59,7 +64,7 @@ def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT, prefix=(
     full_env = {**os.environ, **RANK_THREAD_ENV, "KR_TEST_LOG": str(log_dir),
                 "KR_TEST_EPOCHS": str(EPOCHS), "KR_TEST_STEPS": str(STEPS),
                 "KERAS_RING_TIMEOUT": "8", **(env or {})}
-    before = _shm_segments()
+    before = shm_segments()
     command = [*prefix, "keras-ring-run", "--elastic", *launcher_args, sys.executable,
                str(WORKERS / worker)]
     process = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE,
@@ -79,12 +84,8 @@ def run_elastic(tmp_path, launcher_args, env=None, timeout=JOB_TIMEOUT, prefix=(
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes left behind: {left}\n{out[-6000:]}"
-    assert _shm_segments() - before == set(), out[-6000:]
-    logs = {}
-    for path in sorted(log_dir.glob("*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            logs[path.stem] = [json.loads(line) for line in f]
-    return subprocess.CompletedProcess(command, process.returncode, out), logs
+    assert shm_segments() - before == set(), out[-6000:]
+    return subprocess.CompletedProcess(command, process.returncode, out), read_logs(log_dir)
 
 
 def _hosts(request, where, count=3):
@@ -96,48 +97,6 @@ def _hosts(request, where, count=3):
     spec = ",".join(f"{h}:1" for h in netns_hosts.hosts[:count])
     return (["-H", spec, "--network-interface", IFACE], netns_hosts.env(),
             netns_hosts.exec_prefix(0), netns_hosts.hosts)
-
-
-def _events(events, kind):
-    return [e for e in events if e["event"] == kind]
-
-
-def check_training_went_on(result, logs, survivors):
-    """The checks every recovery must pass; `survivors` the number of workers that finish."""
-    assert result.returncode == 0, result.stdout[-8000:]
-    ended = {w: _events(ev, "end")[0] for w, ev in logs.items() if _events(ev, "end")}
-    assert len(ended) == survivors, (sorted(ended), result.stdout[-8000:])
-    # Every optimizer step applied exactly once: the restored iterations are the committed
-    # ones, and a resumed epoch runs only the batches its commit had not done.
-    for worker, end in ended.items():
-        assert end["iterations"] == EPOCHS * STEPS, (worker, end["iterations"])
-    weights = [end["weights"] for end in ended.values()]
-    assert all(w == weights[0] for w in weights), "the survivors' weights differ"
-    for worker, events in logs.items():
-        for i, reset in enumerate(events):
-            if reset["event"] != "reset":
-                continue
-            commits = _events(events[:i], "commit")
-            steps_after = _events(events[i:], "step")
-            if commits and steps_after:
-                # Back at the last commit, and on from it.
-                assert reset["iterations"] == commits[-1]["iterations"], (worker, reset)
-                assert steps_after[0]["iterations"] == reset["iterations"] + 1, (worker, reset)
-
-
-def _resets(logs):
-    return [e for ev in logs.values() for e in ev if e["event"] == "reset"]
-
-
-def _losses_continue(logs):
-    """The first loss after each reset is far below the first loss of the job."""
-    first = min((e for ev in logs.values() for e in ev if e["event"] == "step"),
-                key=lambda e: e["iterations"])["loss"]
-    for events in logs.values():
-        for i, e in enumerate(events):
-            if e["event"] == "reset" and e["iterations"] > 4:
-                after = next(x for x in events[i:] if x["event"] == "step")
-                assert after["loss"] < first / 4, (first, after)
 
 
 @pytest.mark.multirank
@@ -152,11 +111,11 @@ def test_a_lost_worker_leaves_the_others_training_from_the_last_commit(tmp_path,
                                env={"KR_TEST_FAULT": f"11:{start_rank}:{fault}",
                                     "KERAS_BACKEND": backend})
     check_training_went_on(result, logs, survivors=2)
-    resets = _resets(logs)
+    resets = resets_of(logs)
     assert len(resets) == 2 and all(r["size"] == 2 for r in resets), resets
     # The last commit before the kill at step 11 was step 10 (a commit every 2 steps).
     assert all(r["iterations"] == 10 for r in resets), resets
-    _losses_continue(logs)
+    losses_continue(logs)
     assert "lost" in result.stdout
     assert f"on {backend}" in result.stdout
 
@@ -168,10 +127,10 @@ def test_a_torch_loop_with_keras_ring_torch_elastic_goes_on_from_the_last_commit
                                env={"KR_TEST_FAULT": "11:1:KILL"},
                                worker="elastic_torch_worker.py")
     check_training_went_on(result, logs, survivors=2)
-    resets = _resets(logs)
+    resets = resets_of(logs)
     assert len(resets) == 2 and all(r["size"] == 2 for r in resets), resets
     assert all(r["iterations"] == 10 for r in resets), resets
-    _losses_continue(logs)
+    losses_continue(logs)
     assert result.stdout.count("on torch (keras imported: False, tensorflow imported: False)") == 2
 
 
@@ -180,7 +139,7 @@ def test_a_stopped_worker_is_dropped_after_the_timeout(tmp_path):
     result, logs = run_elastic(tmp_path, ["-np", "3", "--min-np", "2"],
                                env={"KR_TEST_FAULT": "11:2:STOP", "KERAS_RING_TIMEOUT": "5"})
     check_training_went_on(result, logs, survivors=2)
-    assert all(r["size"] == 2 for r in _resets(logs))
+    assert all(r["size"] == 2 for r in resets_of(logs))
 
 
 @pytest.mark.multirank
@@ -196,7 +155,7 @@ def test_across_namespace_hosts_a_lost_worker_leaves_the_others_training(
              "KERAS_RING_TIMEOUT": "5"},
         prefix=netns_hosts.exec_prefix(0))
     check_training_went_on(result, logs, survivors=2)
-    resets = _resets(logs)
+    resets = resets_of(logs)
     assert len(resets) == 2 and all(r["iterations"] == 10 for r in resets), resets
     lost = netns_hosts.hosts[start_rank]
     assert f"lost worker {lost}:0 (rank {start_rank} of generation 0)" in result.stdout
@@ -212,7 +171,7 @@ def test_a_worker_killed_during_the_recovery_is_dropped_too(tmp_path, request, w
                                env={**env, "KR_TEST_FAULT": "11:2:KILL",
                                     "KR_TEST_FAULT_IN_RESET": "1"})
     check_training_went_on(result, logs, survivors=1)
-    assert _resets(logs)[-1]["size"] == 1
+    assert resets_of(logs)[-1]["size"] == 1
 
 
 @pytest.mark.multirank
@@ -252,11 +211,11 @@ def test_a_job_lost_whole_resumes_from_its_backup_and_its_recoveries_from_the_co
         restored = events[0]  # the backup, taken as the state's first commit
         assert (restored["event"], restored["iterations"], restored["epoch"]) == (
             "commit", 2 * STEPS, 2), (worker, events[:2])
-        assert _events(events, "step")[0]["iterations"] == 2 * STEPS + 1, worker
-    resets = _resets(logs)
+        assert events_of(events, "step")[0]["iterations"] == 2 * STEPS + 1, worker
+    resets = resets_of(logs)
     assert len(resets) == 2 and all(r["iterations"] == 26 for r in resets), resets
-    first_loss = _events(first_logs[min(first_logs)], "step")[0]["loss"]
-    resumed_loss = _events(logs[min(logs)], "step")[0]["loss"]
+    first_loss = events_of(first_logs[min(first_logs)], "step")[0]["loss"]
+    resumed_loss = events_of(logs[min(logs)], "step")[0]["loss"]
     assert resumed_loss < first_loss / 4, (first_loss, resumed_loss)
     assert not backup.exists()  # rank 0 deleted it when the training completed
 
@@ -287,8 +246,8 @@ def test_a_host_removed_then_added_back_shrinks_then_grows_the_job(tmp_path, req
         env={"KR_TEST_HOSTS_FILE": str(hosts), "KR_TEST_HOSTS_PHASES": json.dumps(phases),
              "KR_TEST_HOSTS_FROM": "6", "KR_TEST_EPOCHS": "8", **extra})
     assert result.returncode == 0, result.stdout[-8000:]
-    assert [r["size"] for r in _resets(logs) if r["rank"] == 0] == [2, 3], result.stdout[-8000:]
-    ended = {w: _events(ev, "end")[0] for w, ev in logs.items() if _events(ev, "end")}
+    assert [r["size"] for r in resets_of(logs) if r["rank"] == 0] == [2, 3], result.stdout[-8000:]
+    ended = {w: events_of(ev, "end")[0] for w, ev in logs.items() if events_of(ev, "end")}
     # The removed worker left (exit 0); a new one took its host's slot.
     newcomer = f"{gone}_0_3"
     assert sorted(ended) == sorted([newcomer, *stay]), sorted(logs)
@@ -296,9 +255,9 @@ def test_a_host_removed_then_added_back_shrinks_then_grows_the_job(tmp_path, req
     assert all(e["weights"] == ended[stay[0]]["weights"] for e in ended.values())
     assert "leaves the job" in result.stdout
     # The newcomer started from the committed state, not from scratch.
-    first = _events(logs[newcomer], "step")[0]
+    first = events_of(logs[newcomer], "step")[0]
     assert first["iterations"] > 8 and first["size"] == 3, first
-    assert first["loss"] < _events(logs[stay[0]], "step")[0]["loss"] / 4, first
+    assert first["loss"] < events_of(logs[stay[0]], "step")[0]["loss"] / 4, first
 
 
 @pytest.mark.multirank
@@ -309,7 +268,7 @@ def test_the_worked_example_of_the_docs_survives_a_kill_as_written(tmp_path):
     marker = f"KR_TEST_MARKER={tmp_path}"
     env = {**os.environ, **RANK_THREAD_ENV, "KR_TEST_MARKER": str(tmp_path),
            "KERAS_RING_TIMEOUT": "20"}
-    before = _shm_segments()
+    before = shm_segments()
     process = subprocess.Popen(
         ["keras-ring-run", "--elastic", "-np", "3", "--min-np", "2", sys.executable, "train.py"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -339,4 +298,4 @@ def test_the_worked_example_of_the_docs_survives_a_kill_as_written(tmp_path):
     found = re.search(r"trained \d+ steps, 2 workers at the end, accuracy ([\d.]+)", out)
     assert found and float(found[1]) > 0.9, out[-6000:]
     assert not _processes_with(marker)
-    assert _shm_segments() - before == set()
+    assert shm_segments() - before == set()

@@ -1,20 +1,38 @@
-"""keras_ring.ray on a local Ray cluster (2 CPUs): Horovod's RayExecutor API."""
+"""keras_ring.ray on a local Ray cluster (3 CPUs): Horovod's RayExecutor and ElasticRayExecutor.
+
+The elastic jobs run tests/workers/elastic_train_worker.py, the script of
+test_elastic.py's jobs, as each worker's function, and check its logs as
+those tests do (elastic_checks.py).
+"""
 
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from conftest import RANK_THREAD_ENV
+from elastic_checks import (
+    EPOCHS,
+    STEPS,
+    check_training_went_on,
+    events_of,
+    losses_continue,
+    read_logs,
+    resets_of,
+    shm_segments,
+)
 
 ray = pytest.importorskip("ray")
 
-from keras_ring.ray import RayExecutor  # noqa: E402
+from keras_ring.ray import ElasticRayExecutor, RayExecutor  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parent.parent
+ELASTIC_WORKER = pathlib.Path(__file__).parent / "workers" / "elastic_train_worker.py"
+CPUS = 3
 DOC_EPILOGUE = """
 assert [rank for rank, _ in results] == [0, 1], results
 assert all(np.array_equal(a, b) for a, b in zip(results[0][1], results[1][1]))
@@ -41,7 +59,7 @@ def cluster(tmp_path_factory):
     here = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("ray"))
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
     os.chdir(here)
@@ -144,9 +162,82 @@ def test_more_workers_than_the_cluster_can_place_time_out_and_leave_nothing(clus
     with pytest.raises(TimeoutError, match="could not place 5 bundles"):
         ex.start()
     ex.shutdown()
-    assert ray.available_resources().get("CPU") == 2
+    assert ray.available_resources().get("CPU") == CPUS
 
 
 def test_gpus_are_refused(cluster):
     with pytest.raises(ValueError, match="CPUs only"):
         RayExecutor(RayExecutor.create_settings(), num_workers=1, use_gpu=True)
+
+
+def _train_script():
+    import runpy
+
+    runpy.run_path(str(ELASTIC_WORKER), run_name="__main__")
+    return os.environ["KERAS_RING_WORKER"]
+
+
+def run_elastic_on_ray(tmp_path, capfd, env, **settings):
+    """Runs the elastic training script on the cluster's 3 slots; returns (result, logs), as
+    test_elastic.run_elastic does: result.returncode 0 with the workers' names in rank order,
+    1 with the error; result.stdout the driver's lines."""
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    env = {**RANK_THREAD_ENV, "KR_TEST_LOG": str(log_dir), "KR_TEST_EPOCHS": str(EPOCHS),
+           "KR_TEST_STEPS": str(STEPS), "KERAS_BACKEND": "torch",
+           # Long enough for the three actors to start and ask before the first world forms.
+           "KERAS_RING_TIMEOUT": "30", **env}
+    before = shm_segments()
+    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(**settings), env_vars=env)
+    executor.start()
+    try:
+        code, value = 0, executor.run(_train_script)
+    except RuntimeError as e:
+        code, value = 1, e
+    finally:
+        executor.shutdown()
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU") != CPUS and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out = capfd.readouterr().err
+    assert ray.available_resources().get("CPU") == CPUS, f"actors left behind\n{out[-6000:]}"
+    assert shm_segments() - before == set(), out[-6000:]
+    return subprocess.CompletedProcess("ElasticRayExecutor.run", code, out), value, read_logs(
+        log_dir)
+
+
+@pytest.mark.parametrize("fault", ["KILL", "RAISE"])
+def test_elastic_a_lost_worker_leaves_the_others_training_from_the_last_commit(
+        cluster, tmp_path, capfd, fault):
+    result, names, logs = run_elastic_on_ray(tmp_path, capfd, {"KR_TEST_FAULT": f"11:1:{fault}"},
+                                             min_num_proc=2)
+    check_training_went_on(result, logs, survivors=2)
+    resets = resets_of(logs)
+    assert len(resets) == 2 and all(r["size"] == 2 for r in resets), resets
+    assert all(r["iterations"] == 10 for r in resets), resets  # the last commit before step 11
+    losses_continue(logs)
+    # The results are the last world's, in rank order: the workers started first and third.
+    assert [name.split(":")[1:] for name in names] == [["0", "0"], ["2", "2"]], names
+    lost = re.search(r"lost worker (\S+):1 \(rank 1 of generation 0\): (.*)", result.stdout)
+    assert lost, result.stdout[-6000:]
+    assert lost[2].startswith("its Ray actor (pid " if fault == "KILL" else
+                              "raised RuntimeError: the test's fault"), lost[2]
+    assert "generation 1: 2 workers" in result.stdout
+
+
+def test_elastic_below_min_num_proc_fails_naming_the_lost_worker_and_leaves_nothing(
+        cluster, tmp_path, capfd):
+    result, error, logs = run_elastic_on_ray(tmp_path, capfd, {"KR_TEST_FAULT": "11:2:KILL"},
+                                             min_num_proc=3, elastic_timeout=3)
+    assert result.returncode == 1, result.stdout[-6000:]
+    assert re.fullmatch(r"keras-ring: the elastic job failed: fewer than min_num_proc 3 workers "
+                        r"for 3 s \(elastic_timeout\); waiting: .*\. Lost workers: \S+:2 \(its "
+                        r"Ray actor \(pid \d+\) died: .*\)\.", str(error)), error
+    assert not any(events_of(events, "end") for events in logs.values())
+
+
+def test_elastic_run_before_start_and_gpus_are_refused(cluster):
+    with pytest.raises(RuntimeError, match="call start"):
+        ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(_train_script)
+    with pytest.raises(ValueError, match="CPUs only"):
+        ElasticRayExecutor(ElasticRayExecutor.create_settings(), use_gpu=True)

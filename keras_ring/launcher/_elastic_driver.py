@@ -87,8 +87,7 @@ _DISCOVERY_INTERVAL_SECONDS = 1
 _DISCOVERY_TIMEOUT_SECONDS = 30
 # The engine's KERAS_RING_TIMEOUT when it is not set (custom_ops/core/options.cc).
 DEFAULT_TIMEOUT_SECONDS = 300
-# How much longer than the driver can take to answer a worker waits for its world, so that
-# the driver's answer, which says why, comes first.
+# How much longer than the driver can take to answer a worker waits for its world.
 _WORKER_WAIT_MARGIN_SECONDS = 10
 FAILED = 1
 
@@ -205,10 +204,12 @@ class Policy:
         cooldown: (lo, hi) seconds of a blacklisting, or None: for good.
         discovery: Whether a discovery script may add hosts later.
         rng: The `random.Random` of the cooldowns.
+        names: What the messages call `np`, `min_np`, `elastic_timeout` and
+            `reset_limit`: `keras-ring-run`'s options unless given.
     """
 
     def __init__(self, *, np, min_np, max_np, timeout, elastic_timeout, reset_limit=None,
-                 cooldown=None, discovery=False, rng=None):
+                 cooldown=None, discovery=False, rng=None, names=None):
         self.np = np
         self.min_np = min_np
         self.max_np = max_np
@@ -218,11 +219,14 @@ class Policy:
         self.cooldown = cooldown
         self.discovery = discovery
         self.rng = rng or random.Random()
+        self.names = {"np": "-np", "min_np": "--min-np", "elastic_timeout": "--elastic-timeout",
+                      "reset_limit": "--reset-limit", **(names or {})}
         self.workers = []  # in start order
         self._by_name = {}
         self.generation = -1
         self.lost = []  # (worker, how it ended), in order
         self.exit_code = None  # once the job is ending
+        self.message = None  # why it is ending, once it is, unless it finished well
         self._available = {}  # host -> slots, in discovery order
         self._blacklisted_until = {}  # host -> time
         self._blacklistings = {}  # host -> how many times
@@ -264,8 +268,11 @@ class Policy:
             w.request, w.asked_at = request, now
         return True
 
-    def exited(self, name, code, now):
-        """Worker `name`'s process ended with return code `code` (-N: signal N)."""
+    def exited(self, name, code, now, how=None):
+        """Worker `name`'s process ended with return code `code` (-N: signal N).
+
+        `how` says how it ended, where the code alone does not (a Ray actor's death, say).
+        """
         w = self.worker(name)
         w.code = code
         if self.exit_code is not None or w.dropped:
@@ -274,7 +281,7 @@ class Policy:
             if w.rank is not None and self._finishing is None:
                 self._finishing = w
             return
-        how = describe_exit(code)
+        how = how or describe_exit(code)
         if w.leaving is not None:
             self._say(f"worker {w.place} {how} while leaving the job")
             return
@@ -364,7 +371,7 @@ class Policy:
             return
         if self.reset_limit is not None and self.generation + 1 > self.reset_limit:
             self._fail(f"the world has re-formed {self.generation} times, the most "
-                       f"--reset-limit {self.reset_limit} allows", now)
+                       f"{self.names['reset_limit']} {self.reset_limit} allows", now)
             return
         self._form(ready)
 
@@ -386,16 +393,16 @@ class Policy:
         if self._short_since is None:
             self._short_since = now
             self._say(f"{len(ready)} workers ready, {needed} needed for a world: waiting up "
-                      f"to {self.elastic_timeout:g} s (--elastic-timeout) for more")
+                      f"to {self.elastic_timeout:g} s ({self.names['elastic_timeout']}) for more")
         waiting = ", ".join(w.place for w in ready) or "none"
-        what = "-np" if self.generation < 0 else "--min-np"
+        what = self.names["np" if self.generation < 0 else "min_np"]
         if not self._may_grow():
             self._fail(f"{len(ready)} workers are ready, fewer than {what} {needed}, and no "
                        f"more can start (every free slot's host is blacklisted); waiting: "
                        f"{waiting}", now)
         elif now >= self._short_since + self.elastic_timeout:
             self._fail(f"fewer than {what} {needed} workers for {self.elastic_timeout:g} s "
-                       f"(--elastic-timeout); waiting: {waiting}", now)
+                       f"({self.names['elastic_timeout']}); waiting: {waiting}", now)
 
     def _may_grow(self):
         if self.discovery or any(w.active and w.request is None for w in self.workers):
@@ -489,6 +496,7 @@ class Policy:
         self.exit_code = code
         self._ending_answer = {"removed": why} if code == 0 else {"failed": why}
         self._stops = stops
+        self.message = message
         if message:
             self._say(message)
 
@@ -639,6 +647,18 @@ def fixed_pool(options):
     return hosts
 
 
+def worker_env(env, store, secret, timeout, elastic_timeout):
+    """`env` with what every worker of an elastic job needs but its name (KERAS_RING_WORKER):
+    the store, the secret, and how long to wait for a world (longer than the driver can take
+    to answer, so that its answer, which says why, comes first)."""
+    env = {**job_env(env, store, secret), "KERAS_RING_ELASTIC": "1",
+           "KERAS_RING_ELASTIC_TIMEOUT": str(
+               timeout + elastic_timeout + _WORKER_WAIT_MARGIN_SECONDS)}
+    for name in ("KERAS_RING_RANK", "KERAS_RING_SIZE"):
+        env.pop(name, None)
+    return env
+
+
 def run_elastic_job(options, env):
     """Runs an elastic job until it has finished or failed, with every worker ended.
 
@@ -669,12 +689,8 @@ def run_elastic_job(options, env):
     secret = secrets.token_hex(32)
     with RendezvousServer(secret.encode(), host=bind) as server:
         store = f"{advertised}:{server.address[1]}"
-        worker_env = {**job_env(env, store, secret), "KERAS_RING_ELASTIC": "1",
-                      "KERAS_RING_ELASTIC_TIMEOUT": str(
-                          timeout + options.elastic_timeout + _WORKER_WAIT_MARGIN_SECONDS)}
-        for name in ("KERAS_RING_RANK", "KERAS_RING_SIZE"):
-            worker_env.pop(name, None)
-        job = _Job(options, worker_env, server, policy, discovery, loopback=bind == "127.0.0.1")
+        job = _Job(options, worker_env(env, store, secret, timeout, options.elastic_timeout),
+                   server, policy, discovery, loopback=bind == "127.0.0.1")
         with handling_signals(job.interrupt):
             try:
                 return job.run(hosts)
@@ -682,19 +698,23 @@ def run_elastic_job(options, env):
                 job.leave_nothing()
 
 
-class _Job:
-    """The processes of an elastic job, and the loop that carries out `Policy`'s decisions."""
+class DriverLoop:
+    """The loop that feeds `Policy` with what happens and carries out what it decides.
 
-    def __init__(self, options, env, server, policy, discovery, loopback):
-        self.options = options
-        self.env = env
+    It reads the workers' requests from the store and writes the answers;
+    a subclass starts, watches and signals the workers themselves: processes
+    here (`_Job`), Ray actors in `keras_ring.ray`.
+
+    Args:
+        server: The job's `RendezvousServer`.
+        policy: The job's `Policy`.
+        name: What the loop's lines on stderr begin with.
+    """
+
+    def __init__(self, server, policy, name):
         self.server = server
         self.policy = policy
-        self.discovery = discovery
-        self.loopback = loopback
-        self.relay = OutputRelay()
-        self.started = {}  # worker name -> _tcp_jobs.Started
-        self.local_pids = []
+        self.name = name
         self.signals = []  # received, not yet given to the policy
         self.warned = set()
 
@@ -702,6 +722,7 @@ class _Job:
         self.signals.append(signum)
 
     def run(self, hosts):
+        """Runs the job on `hosts` ([(host, slots)]) until it is done; returns its exit code."""
         policy = self.policy
         policy.hosts(self._reachable(hosts))
         seen = -1
@@ -709,19 +730,13 @@ class _Job:
             now = time.monotonic()
             while self.signals:
                 policy.interrupt(self.signals.pop(0), now)
-            self.relay.pump(0)
-            for name, started in self.started.items():
-                w = policy.worker(name)
-                if w.alive:
-                    code = started.process.poll()
-                    if code is not None:
-                        policy.exited(name, code, now)
+            self._poll_workers(now)
             changes = self.server.changes
             if changes != seen:
                 seen = changes
                 self._read_requests(now)
-            if self.discovery is not None and policy.exit_code is None:
-                found = self.discovery.poll(now)
+            if policy.exit_code is None:
+                found = self._poll_hosts(now)
                 if found is not None:
                     policy.hosts(self._reachable(found))
             for action in policy.step(now):
@@ -730,20 +745,28 @@ class _Job:
                 return policy.exit_code
             self.server.wait_for_change(seen, _TICK_SECONDS)
 
+    def _poll_workers(self, now):
+        """Tells the policy of the workers that have ended (`Policy.exited`)."""
+        raise NotImplementedError
+
+    def _poll_hosts(self, now):
+        """The hosts there are now, when they may have changed; else None."""
+        return None
+
     def _reachable(self, hosts):
-        """The hosts the workers can reach the store from: with a loopback store, this one's."""
-        if not self.loopback:
-            return hosts
-        kept = []
-        for host, slots in hosts:
-            if is_this_host(host):
-                kept.append((host, slots))
-            elif host not in self.warned:
-                self.warned.add(host)
-                print(f"keras-ring-run: leaving out host {host}: the job's store listens on "
-                      "loopback only, as every host was this one at the start; give "
-                      "--network-interface to reach other hosts.", file=sys.stderr, flush=True)
-        return kept
+        """The hosts whose workers can reach the store."""
+        return hosts
+
+    def _start(self, w, now):
+        """Starts `w`, or reports `Policy.start_failed`."""
+        raise NotImplementedError
+
+    def _signal(self, w, signals):
+        """Carries out `Signal(w, signals)`."""
+        raise NotImplementedError
+
+    def say(self, text):
+        print(f"{self.name}: {text}", file=sys.stderr, flush=True)
 
     def _read_requests(self, now):
         for key in self.server.keys(READY_PREFIX):
@@ -760,8 +783,7 @@ class _Job:
                 self.warned.add((key, value))
                 expected = ("a JSON object with a request count" if request is None
                             else "a worker of this job")
-                print(f"keras-ring-run: ignoring {key}: expected {expected}. Received: "
-                      f"{value[:200]!r}", file=sys.stderr, flush=True)
+                self.say(f"ignoring {key}: expected {expected}. Received: {value[:200]!r}")
 
     def _carry_out(self, action, now):
         if isinstance(action, Start):
@@ -773,10 +795,49 @@ class _Job:
             self.server.set(hosts_updated_key(action.generation),
                             json.dumps({"why": action.why}).encode())
         elif isinstance(action, Signal):
-            for signum in action.signals:
-                signal_process(self.started[action.worker.name], signum)
+            self._signal(action.worker, action.signals)
         else:
-            print(f"keras-ring-run: {action.text}", file=sys.stderr, flush=True)
+            self.say(action.text)
+
+
+class _Job(DriverLoop):
+    """The worker processes of `keras-ring-run --elastic`."""
+
+    def __init__(self, options, env, server, policy, discovery, loopback):
+        super().__init__(server, policy, "keras-ring-run")
+        self.options = options
+        self.env = env
+        self.discovery = discovery
+        self.loopback = loopback
+        self.relay = OutputRelay()
+        self.started = {}  # worker name -> _tcp_jobs.Started
+        self.local_pids = []
+
+    def _poll_workers(self, now):
+        self.relay.pump(0)
+        for name, started in self.started.items():
+            if self.policy.worker(name).alive:
+                code = started.process.poll()
+                if code is not None:
+                    self.policy.exited(name, code, now)
+
+    def _poll_hosts(self, now):
+        return None if self.discovery is None else self.discovery.poll(now)
+
+    def _reachable(self, hosts):
+        """The hosts the workers can reach the store from: with a loopback store, this one's."""
+        if not self.loopback:
+            return hosts
+        kept = []
+        for host, slots in hosts:
+            if is_this_host(host):
+                kept.append((host, slots))
+            elif host not in self.warned:
+                self.warned.add(host)
+                self.say(f"leaving out host {host}: the job's store listens on loopback only, "
+                         "as every host was this one at the start; give --network-interface "
+                         "to reach other hosts.")
+        return kept
 
     def _start(self, w, now):
         local = is_this_host(w.host)
@@ -793,6 +854,10 @@ class _Job:
         if local:
             self.local_pids.append(started.process.pid)
 
+    def _signal(self, w, signals):
+        for signum in signals:
+            signal_process(self.started[w.name], signum)
+
     def leave_nothing(self):
         """Kills what is left (after an error), relays the last output, removes shm segments."""
         if self.discovery is not None:
@@ -803,20 +868,28 @@ class _Job:
                 signal_process(started, signal.SIGKILL)
                 started.process.wait()
         self.relay.drain()
-        # The engine names a shared-memory segment after the pid of the process that made
-        # the set it serves (custom_ops/core/shm.cc); one killed between making and removing
-        # it leaves it behind.
-        for pid in self.local_pids:
-            if _alive(pid):
-                continue
-            for path in glob.glob(f"/dev/shm/kr-{pid}x*"):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        remove_shm_segments(self.local_pids)
 
 
-def _alive(pid):
+def remove_shm_segments(pids):
+    """Removes the shared-memory segments left by those of `pids` (processes of this host)
+    that have ended.
+
+    The engine names a segment after the pid of the process that made the set
+    it serves (custom_ops/core/shm.cc); one killed between making and removing
+    it leaves it behind.
+    """
+    for pid in pids:
+        if is_alive(pid):
+            continue
+        for path in glob.glob(f"/dev/shm/kr-{pid}x*"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def is_alive(pid):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

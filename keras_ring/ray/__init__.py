@@ -1,8 +1,10 @@
-"""keras-ring on Ray (`horovod.ray`): `RayExecutor` runs a training function on Ray actors.
+"""keras-ring on Ray (`horovod.ray`): `RayExecutor` runs a training function on Ray actors;
+`ElasticRayExecutor` runs an elastic job on the cluster's nodes.
 
-Horovod's `ElasticRayExecutor` and a Ray Train trainer are not here yet (docs/ray.md).
+A Ray Train trainer is not here yet (docs/ray.md).
 """
 
+from keras_ring.ray._elastic import ElasticRayExecutor
 from keras_ring.ray._executor import RayExecutor
 
-__all__ = ["RayExecutor"]
+__all__ = ["ElasticRayExecutor", "RayExecutor"]

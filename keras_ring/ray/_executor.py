@@ -243,5 +243,10 @@ def _outcome(ref):
         return ("ok", ray.get(ref))
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(e.cause, BaseException) else None
-        text = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
-        return ("error", cause, text, str(e))
+        return ("error", cause, cause_of(e), str(e))
+
+
+def cause_of(error):
+    """What a worker raised, from Ray's `RayTaskError`: "ValueError: ..."."""
+    cause = error.cause if isinstance(error.cause, BaseException) else None
+    return f"{type(cause).__name__}: {cause}" if cause is not None else str(error)

@@ -2,7 +2,8 @@
 
 It trains a linear model with SGD on synthetic data through `model.fit`, with
 Horovod's elastic API (`KerasState`, `run`, the three callbacks), and writes
-what the test checks to `KR_TEST_LOG/<worker>.jsonl`, one JSON object per line:
+what the test checks to `KR_TEST_LOG/<worker>.jsonl`, one JSON object per line, each with its
+`time` (seconds since the epoch) too:
 
     {"event": "step", "generation", "rank", "size", "epoch", "batch", "iterations", "loss"}
     {"event": "commit", "generation", "iterations", "epoch", "batch"}
@@ -70,7 +71,7 @@ LOG = open(os.path.join(os.environ["KR_TEST_LOG"], WORKER.replace(":", "_") + ".
 
 def log(event, **fields):
     fields.update(event=event, generation=_elastic_world.generation(), rank=kr.rank(),
-                  size=kr.size())
+                  size=kr.size(), time=time.time())
     LOG.write(json.dumps(fields) + "\n")
     LOG.flush()
 
