@@ -5,6 +5,7 @@ test_elastic.py's jobs, as each worker's function, and check its logs as
 those tests do (elastic_checks.py).
 """
 
+import json
 import os
 import pathlib
 import re
@@ -165,9 +166,11 @@ def test_more_workers_than_the_cluster_can_place_time_out_and_leave_nothing(clus
     assert ray.available_resources().get("CPU") == CPUS
 
 
-def test_gpus_are_refused(cluster):
+def test_gpus_and_callbacks_are_refused(executor):
     with pytest.raises(ValueError, match="CPUs only"):
         RayExecutor(RayExecutor.create_settings(), num_workers=1, use_gpu=True)
+    with pytest.raises(NotImplementedError, match="take no callbacks"):
+        executor.run(_ranks, callbacks=[print])
 
 
 def _train_script():
@@ -236,8 +239,37 @@ def test_elastic_below_min_num_proc_fails_naming_the_lost_worker_and_leaves_noth
     assert not any(events_of(events, "end") for events in logs.values())
 
 
-def test_elastic_run_before_start_and_gpus_are_refused(cluster):
+def test_elastic_run_before_start_gpus_and_callbacks_are_refused(cluster):
     with pytest.raises(RuntimeError, match="call start"):
         ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(_train_script)
+    with pytest.raises(NotImplementedError, match="take no callbacks"):
+        ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(_train_script, [print])
     with pytest.raises(ValueError, match="CPUs only"):
         ElasticRayExecutor(ElasticRayExecutor.create_settings(), use_gpu=True)
+
+
+def test_elastic_a_node_added_grows_the_job_up_to_max_num_proc(tmp_path):
+    # Its own cluster of several nodes, in its own driver (tests/workers/ray_grow_driver.py).
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(ELASTIC_WORKER.parent / "ray_grow_driver.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        env={**os.environ, **RANK_THREAD_ENV, "KERAS_BACKEND": "torch",
+             "RAY_USAGE_STATS_ENABLED": "0", "KR_TEST_LOG": str(log_dir),
+             "KR_TEST_EPOCHS": str(EPOCHS), "KR_TEST_STEPS": str(STEPS),
+             "KR_TEST_HOSTS_FILE": str(tmp_path / "grow"), "KR_TEST_HOSTS_FROM": "1",
+             # Rank 0's steps last this much more until the world has grown: 46 s in all.
+             "KR_TEST_HOSTS_STEP_SECONDS": "1.5",
+             "KR_TEST_HOSTS_PHASES": json.dumps([["a node is added", 3]]),
+             "KERAS_RING_TIMEOUT": "30"})
+    result.stdout += result.stderr
+    logs = read_logs(log_dir)
+    check_training_went_on(result, logs, survivors=3)
+    resets = resets_of(logs)
+    # The two first workers go back to a commit and go on with the newcomer (whose first
+    # world starts with a reset too): 3 workers, not 4.
+    assert [r["size"] for r in resets] == [3, 3, 3], resets
+    names = json.loads(next(line for line in result.stdout.splitlines() if line.startswith('["')))
+    assert len(names) == 3 and len({n.rsplit(":", 2)[0] for n in names}) == 2, names
+    assert "workers were added" in result.stdout or "generation 1: 3 workers" in result.stdout

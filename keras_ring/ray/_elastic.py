@@ -32,7 +32,7 @@ from keras_ring.launcher._elastic_driver import (
     remove_shm_segments,
     worker_env,
 )
-from keras_ring.ray._executor import _load, _pack, cause_of
+from keras_ring.ray._executor import _load, _no_callbacks, _pack, cause_of
 
 # How often the cluster's nodes are read.
 _NODES_INTERVAL_SECONDS = 1
@@ -140,6 +140,8 @@ class ElasticRayExecutor:
     def run(self, worker_fn, callbacks=None):
         """Runs `worker_fn()` as an elastic job until it finishes or fails.
 
+        `callbacks`, Horovod's receivers of what rank 0 logs, are refused.
+
         Returns:
             The results of the last world's workers, in rank order.
 
@@ -148,6 +150,7 @@ class ElasticRayExecutor:
                 `elastic_timeout`, past `reset_limit`, or a member of the last
                 world did not finish); the message names the lost workers.
         """
+        _no_callbacks(callbacks)
         if self._server is None:
             raise RuntimeError("This ElasticRayExecutor is not started: call start() first.")
         s = self.settings

@@ -195,7 +195,10 @@ class RayExecutor:
             timeout=self.settings.timeout_s)
 
     def run(self, fn, args=None, kwargs=None, callbacks=None):
-        """`fn(*args, **kwargs)` on every worker; their results in rank order."""
+        """`fn(*args, **kwargs)` on every worker; their results in rank order.
+
+        `callbacks`, Horovod's receivers of what rank 0 logs, are refused."""
+        _no_callbacks(callbacks)
         return self._collect(self.run_remote(fn, args, kwargs))
 
     def run_remote(self, fn, args=None, kwargs=None):
@@ -205,6 +208,7 @@ class RayExecutor:
     def execute(self, fn, callbacks=None):
         """`fn(executable)` on every worker, where `executable` is its instance of `start`'s
         `executable_cls` (None without one); the results in rank order."""
+        _no_callbacks(callbacks)
         return self._collect(self._submit(self._started(), (fn, (), {}), True))
 
     def execute_single(self, fn):
@@ -235,6 +239,13 @@ class RayExecutor:
 
     def _collect(self, refs):
         return raise_first_failure([_outcome(ref) for ref in refs])
+
+
+def _no_callbacks(callbacks):
+    if callbacks:
+        raise NotImplementedError("keras-ring: RayExecutor and ElasticRayExecutor take no "
+                                  "callbacks (Horovod's receivers of the values rank 0 logs); "
+                                  "return values from the function instead")
 
 
 def _outcome(ref):

@@ -14,7 +14,7 @@ Hosts: with `KR_TEST_HOSTS_FILE` (what the test's discovery script prints)
 and `KR_TEST_HOSTS_PHASES` ([["the file's text", size], ...]), rank 0 writes
 the first phase's text once `optimizer.iterations` reaches
 `KR_TEST_HOSTS_FROM`, and each next one once the world has the size the
-previous phase asks for; meanwhile each of its steps lasts 0.5 s more
+previous phase asks for; meanwhile each of its steps lasts `KR_TEST_HOSTS_STEP_SECONDS` (0.5) more
 (bounded), so that the driver and a newcomer have time to act.
 
 Backup: with `KR_TEST_BACKUP_DIR`, the fit also has
@@ -60,6 +60,7 @@ HOSTS_FILE = os.environ.get("KR_TEST_HOSTS_FILE")
 HOSTS_PHASES = json.loads(os.environ.get("KR_TEST_HOSTS_PHASES", "[]"))
 HOSTS_FROM = int(os.environ.get("KR_TEST_HOSTS_FROM", "0"))
 HOSTS_WAIT_SECONDS = 180
+HOSTS_STEP_SECONDS = float(os.environ.get("KR_TEST_HOSTS_STEP_SECONDS", "0.5"))
 BACKUP_DIR = os.environ.get("KR_TEST_BACKUP_DIR")
 
 kr.init()
@@ -153,8 +154,8 @@ class Record(keras.callbacks.Callback):
                 f.write(HOSTS_PHASES[hosts_phase][0])
             os.replace(HOSTS_FILE + ".new", HOSTS_FILE)
         if hosts_waited < HOSTS_WAIT_SECONDS:
-            time.sleep(0.5)
-            hosts_waited += 0.5
+            time.sleep(HOSTS_STEP_SECONDS)
+            hosts_waited += HOSTS_STEP_SECONDS
 
 
 hosts_phase, hosts_waited = -1, 0.0
