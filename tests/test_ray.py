@@ -239,6 +239,40 @@ def test_elastic_below_min_num_proc_fails_naming_the_lost_worker_and_leaves_noth
     assert not any(events_of(events, "end") for events in logs.values())
 
 
+def _size():
+    import keras_ring as kr
+
+    kr.init()
+    return kr.size()
+
+
+@ray.remote(num_cpus=1)
+class _Holder:
+    def ready(self):
+        return True
+
+
+def test_elastic_an_actor_ray_cannot_start_in_time_is_left_out_and_the_others_train(
+        cluster, capfd):
+    holder = _Holder.remote()  # holds one of the cluster's 3 CPUs: the third slot's actor waits
+    ray.get(holder.ready.remote())
+    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(min_num_proc=2,
+                                                                     timeout_s=3),
+                                  env_vars={**RANK_THREAD_ENV, "KERAS_RING_TIMEOUT": "60"})
+    try:
+        executor.start()
+        assert executor.run(_size) == [2, 2]
+        # A second run serves a store of its own: none of the first run's answers are read.
+        ray.kill(holder)
+        assert executor.run(_size) == [3, 3, 3]
+    finally:
+        ray.kill(holder)
+        executor.shutdown()
+    err = capfd.readouterr().err
+    assert re.search(r"lost worker \S+:2 \(not in a world\): Ray did not start its actor within "
+                     r"timeout_s=3 s \(1 CPUs on node \w+ asked for\)", err), err[-4000:]
+
+
 def test_elastic_run_before_start_gpus_and_callbacks_are_refused(cluster):
     with pytest.raises(RuntimeError, match="call start"):
         ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(_train_script)

@@ -7,16 +7,20 @@ the rules in that module's docstring); only the hosts and the workers differ:
   slot per `cpus_per_slot` CPUs it has. A node that joins the cluster adds
   workers, up to `max_num_proc`; one that leaves takes its workers with it.
 - Each worker is a Ray actor pinned to its node, which runs the function
-  once. Its result is an exit with code 0; an exception, a failure (the
+  once. Its result is an exit with code 0 (its engine shuts down and the
+  actor is killed, as a process would end); an exception, a failure (the
   actor is killed at once, so that the others' engines notice); the actor's
-  death, a lost worker. Signals to a worker are `ray.kill`.
-- This process serves the job's rendezvous store, as `RayExecutor` does.
+  death, a lost worker; an actor Ray has not started within `timeout_s`, a
+  worker that could not start. Signals to a worker are `ray.kill`.
+- Each `run` serves a rendezvous store of its own in this process, as
+  `RayExecutor` does, so that a second run meets none of the first's keys.
 """
 
 import dataclasses
 import os
 import secrets
 import signal
+import sys
 import time
 
 import ray
@@ -60,9 +64,15 @@ class _ElasticWorker:
         os.environ.update(env)
         fn, args, kwargs = _load(payload, path)
         try:
-            return ("ok", fn(*args, **kwargs))
+            result = ("ok", fn(*args, **kwargs))
         except SystemExit as e:  # kr.init() of a worker the driver removed: code 0
-            return ("exit", e.code if isinstance(e.code, int) else int(e.code is not None))
+            result = ("exit", e.code if isinstance(e.code, int) else int(e.code is not None))
+        if "keras_ring.core._engine" in sys.modules:
+            # What the end of a worker's process does (then the driver kills the actor).
+            import keras_ring
+
+            keras_ring.shutdown()
+        return result
 
 
 class ElasticRayExecutor:
@@ -100,7 +110,7 @@ class ElasticRayExecutor:
         self.settings = settings
         self._cpus = cpus_per_slot
         self._env = {k: str(v) for k, v in (env_vars or {}).items()}
-        self._server = None
+        self._started = False
 
     @staticmethod
     def create_settings(min_num_proc=1, max_num_proc=None, reset_limit=None,
@@ -115,7 +125,9 @@ class ElasticRayExecutor:
                 `max_np` is its older name.
             reset_limit: The most times the world may re-form, or None.
             elastic_timeout: Seconds to wait for `min_num_proc` workers.
-            timeout_s: Seconds for the store to start listening.
+            timeout_s: Seconds a worker's actor may take to start on its node;
+                one that Ray has not started by then (its node is full, say)
+                is killed and counted as a worker that could not start.
             cooldown_range: (lo, hi) seconds a node whose worker failed is left
                 out for (Horovod's rule, as `--blacklist-cooldown-range`), or
                 None: for the rest of the job.
@@ -130,12 +142,9 @@ class ElasticRayExecutor:
             cooldown_range=cooldown_range)
 
     def start(self):
-        """Serves the job's store on this node's address."""
-        if self._server is None:
-            self._secret = secrets.token_hex(32)
-            self._server = RendezvousServer(self._secret.encode(),
-                                            host=ray.util.get_node_ip_address())
-            self._server.start()
+        """Makes the executor ready to `run`. Each run serves a store of its own, on this
+        node's address, with a secret of its own."""
+        self._started = True
 
     def run(self, worker_fn, callbacks=None):
         """Runs `worker_fn()` as an elastic job until it finishes or fails.
@@ -151,8 +160,9 @@ class ElasticRayExecutor:
                 world did not finish); the message names the lost workers.
         """
         _no_callbacks(callbacks)
-        if self._server is None:
-            raise RuntimeError("This ElasticRayExecutor is not started: call start() first.")
+        if not self._started:
+            raise RuntimeError("This ElasticRayExecutor is not started: call start() first "
+                               "(and not after shutdown()).")
         s = self.settings
         env = {**os.environ, **self._env}
         timeout = read_timeout(env)
@@ -162,36 +172,40 @@ class ElasticRayExecutor:
                         names={"np": "min_num_proc", "min_np": "min_num_proc",
                                "elastic_timeout": "elastic_timeout",
                                "reset_limit": "reset_limit"})
-        store = f"{self._server.address[0]}:{self._server.address[1]}"
-        job = _RayJob(self._server, policy, self._cpus, _pack((worker_fn, (), {})),
-                      worker_env(self._env, store, self._secret, timeout, s.elastic_timeout))
-        try:
-            job.run(job.hosts())
-        finally:
-            job.leave_nothing()
+        secret = secrets.token_hex(32)
+        # The workers wait as long as the driver does, wherever their node is.
+        env = {**self._env, "KERAS_RING_TIMEOUT": f"{timeout:g}"}
+        with RendezvousServer(secret.encode(), host=ray.util.get_node_ip_address()) as server:
+            store = f"{server.address[0]}:{server.address[1]}"
+            job = _RayJob(server, policy, self._cpus, s.timeout_s, _pack((worker_fn, (), {})),
+                          worker_env(env, store, secret, timeout, s.elastic_timeout))
+            try:
+                job.run(job.hosts())
+            finally:
+                job.leave_nothing()
         if policy.exit_code != 0:
             raise RuntimeError(f"keras-ring: {policy.message}")
         members = sorted((w for w in policy.workers if w.rank is not None),
                          key=lambda w: w.rank)
-        return [job.results[w.name] for w in members]
+        return [job.results.get(w.name) for w in members]
 
     def shutdown(self):
-        """Stops the job's store."""
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        """Ends the executor: `run` is refused until `start` again."""
+        self._started = False
 
 
 class _RayJob(DriverLoop):
     """An elastic job's workers as Ray actors, one per `Policy` worker, on their nodes."""
 
-    def __init__(self, server, policy, cpus, packed, env):
+    def __init__(self, server, policy, cpus, start_timeout, packed, env):
         super().__init__(server, policy, "keras-ring")
         self.cpus = cpus
+        self.start_timeout = start_timeout
         self.packed = packed
         self.env = env
         self.nodes = {}  # host name -> Ray node id
         self.actors = {}  # worker name -> (actor, ref of its run, ref of its pid)
+        self.unstarted = {}  # worker name -> when its actor was asked for, until it runs
         self.results = {}  # worker name -> what its function returned
         self.next_read = 0.0
 
@@ -219,8 +233,10 @@ class _RayJob(DriverLoop):
         env = {**self.env, "KERAS_RING_WORKER": w.name, "KERAS_RING_HOSTNAME": self.nodes[w.host]}
         pid = actor.pid.remote()  # first: an actor runs its calls in order
         self.actors[w.name] = (actor, actor.run.remote(env, *self.packed), pid)
+        self.unstarted[w.name] = now
 
     def _poll_workers(self, now):
+        self._check_started(now)
         running = {run: name for name, (_, run, _) in self.actors.items()
                    if self.policy.worker(name).alive}
         if not running:
@@ -230,6 +246,20 @@ class _RayJob(DriverLoop):
             name = running[run]
             code, how = self._ending(name, run)
             self.policy.exited(name, code, now, how)
+
+    def _check_started(self, now):
+        """Counts an actor Ray has not started within the start timeout as a failed start."""
+        for name, since in list(self.unstarted.items()):
+            actor, _, pid = self.actors[name]
+            if ray.wait([pid], timeout=0)[0]:
+                del self.unstarted[name]
+            elif now >= since + self.start_timeout and self.policy.worker(name).alive:
+                del self.unstarted[name]
+                ray.kill(actor)
+                self.policy.start_failed(
+                    name, f"Ray did not start its actor within timeout_s={self.start_timeout:g} "
+                          f"s ({self.cpus} CPUs on node {self.nodes[self.policy.worker(name).host]}"
+                          " asked for)", now)
 
     def _ending(self, name, run):
         """(exit code, how it ended or None) of the worker whose run has ended."""
@@ -241,8 +271,10 @@ class _RayJob(DriverLoop):
             return FAILED, f"raised {cause_of(e)}"
         except ray.exceptions.RayActorError as e:
             return FAILED, f"its Ray actor{self._pid_of(name)} died: {_first_line(e)}"
+        except ray.exceptions.RayError as e:  # out of memory, runtime environment, ...
+            return FAILED, f"its Ray actor{self._pid_of(name)} failed: {_first_line(e)}"
+        ray.kill(self.actors[name][0])  # done, its engine shut down: as a process would end
         if kind == "exit":
-            ray.kill(self.actors[name][0])
             return value, None
         self.results[name] = value
         return 0, None
