@@ -69,9 +69,9 @@ class _ElasticWorker:
             result = ("exit", e.code if isinstance(e.code, int) else int(e.code is not None))
         if "keras_ring.core._engine" in sys.modules:
             # What the end of a worker's process does (then the driver kills the actor).
-            import keras_ring
+            from keras_ring.core._lifecycle import shutdown
 
-            keras_ring.shutdown()
+            shutdown()
         return result
 
 
