@@ -175,7 +175,8 @@ def test_engine_collectives_across_hosts(netns_hosts, grouping, transport, tmp_p
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["mpi", "tcp"])
+# On the default world: the TCP world across these hosts is test_engine_collectives_across_hosts's.
+@pytest.mark.parametrize("transport", ["mpi"])
 def test_keras_equivalence_across_hosts(netns_hosts, transport):
     # The decisive Keras test (tests/test_keras_equivalence.py) with its ranks on 2 hosts.
     before = netns_hosts.port_bytes()

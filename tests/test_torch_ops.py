@@ -12,14 +12,16 @@ pytest.importorskip("torch")
 WORKERS = pathlib.Path(__file__).parent / "workers"
 
 
+# At 3 ranks only: 2 and 3 ranks differ in the engine's schedules, which test_engine_multirank
+# and test_tcp_world run at both; this layer passes tensors through unchanged by the count.
 @pytest.mark.multirank
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("np", [3])
 def test_torch_ops(run_ranks, np):
     run_ranks(np, WORKERS / "torch_ops_worker.py", timeout=600)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("np", [3])
 def test_torch_training_matches_one_optimizer_at_the_global_batch(run_ranks, np):
     # DistributedOptimizer (every option), broadcast_parameters and _optimizer_state,
     # synchronize()'s rules, SyncBatchNorm: see the worker's checks.
