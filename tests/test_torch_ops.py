@@ -12,8 +12,7 @@ pytest.importorskip("torch")
 WORKERS = pathlib.Path(__file__).parent / "workers"
 
 
-# At 3 ranks only: 2 and 3 ranks differ in the engine's schedules, which test_engine_multirank
-# and test_tcp_world run at both; this layer passes tensors through unchanged by the count.
+# At 3 ranks only, for the reason tests/test_tf_ops_multirank.py gives.
 @pytest.mark.multirank
 @pytest.mark.parametrize("np", [3])
 def test_torch_ops(run_ranks, np):
