@@ -11,6 +11,7 @@ once, and the launcher then stops the other ranks.
 """
 
 import contextlib
+import gc
 import json
 import os
 
@@ -439,8 +440,10 @@ def backup_fit(model, callbacks, interrupt=None):
     except RuntimeError as e:
         if str(e) != "interrupted":
             raise
-        return None
-    return len(seen.logs)
+    else:
+        return len(seen.logs)
+    gc.collect()  # see main()
+    return None
 
 
 def backup_state(model):
@@ -632,6 +635,11 @@ def main():
             traceback.print_exc()
             print(f"rank {RANK}: scenario {name} raised", flush=True)
             os._exit(1)
+        # A fit stopped within an epoch leaves Keras's epoch iterator in a
+        # reference cycle. Freed late, a tf.data iterator waits out its
+        # autotuner's sleep, which grows with the iterator's age: a rank
+        # stalled up to a minute in a later collection or at exit.
+        gc.collect()
         if RANK == 0:
             print(f"{name}: {time.monotonic() - start:.1f} s", flush=True)
     for failure in failures:
