@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import keras
 import numpy as np
@@ -326,6 +327,26 @@ def test_run_restores_reinits_syncs_then_resets_after_a_lost_worker(calls, error
     train = kr.elastic.run(failing(calls, [error]))
     assert train(with_reset_callback(calls)) == ((), {})
     assert calls == ["sync", "func", "restore", "reinit", "sync", "reset callback", "func"]
+
+
+@pytest.mark.parametrize("make_error", [lambda: kr.elastic.WorkerLostError("lost"), lost_peer],
+                         ids=["WorkerLostError", "keras-ring UnavailableError"])
+def test_run_keeps_nothing_of_the_lost_call_into_the_next_world(calls, make_error):
+    # The error's traceback holds the failed call's frames: in a fit, its
+    # tf.data iterator with its threads, which must not outlive their world.
+    class Data:
+        pass
+
+    seen = []
+
+    def train(state):
+        if not seen:
+            data = Data()
+            seen.append(weakref.ref(data))
+            raise make_error()
+        return seen[0]() is None
+
+    assert kr.elastic.run(train)(with_reset_callback(calls))
 
 
 def test_run_reinits_without_restoring_after_a_host_update(calls):

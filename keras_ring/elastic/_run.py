@@ -115,6 +115,10 @@ def _call(state, joined, func, args, kwargs):
                 ) from error
             _log.warning(f"{lost} Going back to the last commit and re-forming the world.")
             _elastic_world.set_reason(lost)
+            # Its traceback holds the interrupted call's frames (its fit, the
+            # fit's tf.data iterator and threads), not to be kept alive
+            # through the next world.
+            del lost
             state.restore()
         reset = True
 
