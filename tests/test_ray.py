@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -39,19 +40,35 @@ assert [rank for rank, _ in results] == [0, 1], results
 assert all(np.array_equal(a, b) for a, b in zip(results[0][1], results[1][1]))
 print("the Ray page's job ran on", len(results), "workers")
 """
+TRAINER_EPILOGUE = """
+assert result.error is None and np.isfinite(result.metrics["loss"]), result
+with result.checkpoint.as_directory() as directory:
+    assert os.listdir(directory) == ["model.keras"]
+print("the Ray page's trainer ran")
+"""
 
 
-def test_the_ray_pages_script_runs_as_written(tmp_path):
-    # First in this file: the page's ray.init() starts a cluster of its own.
-    text = (ROOT / "docs/ray.md").read_text()
-    script = re.search(r"```python\n(.*?)```", text, re.DOTALL)[1]
-    (tmp_path / "job.py").write_text("import numpy as np\n" + script + DOC_EPILOGUE)
+def run_page_script(tmp_path, index, text):
+    """The Ray page's `index`-th Python script as written, with `text` after it, in a process
+    (and Ray cluster) of its own."""
+    script = re.findall(r"```python\n(.*?)```", (ROOT / "docs/ray.md").read_text(), re.DOTALL)
+    (tmp_path / "job.py").write_text(script[index] + text)
     result = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300, stdin=subprocess.DEVNULL,
                             env={**os.environ, **RANK_THREAD_ENV, "KERAS_BACKEND": "torch",
                                  "RAY_USAGE_STATS_ENABLED": "0"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "the Ray page's job ran on 2 workers" in result.stdout
+    return result.stdout
+
+
+# First in this file, before the cluster of this process: the page's ray.init() starts one.
+def test_the_ray_pages_script_runs_as_written(tmp_path):
+    assert "the Ray page's job ran on 2 workers" in run_page_script(
+        tmp_path, 0, "import numpy as np\n" + DOC_EPILOGUE)
+
+
+def test_the_ray_pages_trainer_script_runs_as_written(tmp_path):
+    assert "the Ray page's trainer ran" in run_page_script(tmp_path, 1, TRAINER_EPILOGUE)
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +297,115 @@ def test_elastic_run_before_start_gpus_and_callbacks_are_refused(cluster):
         ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(_train_script, [print])
     with pytest.raises(ValueError, match="CPUs only"):
         ElasticRayExecutor(ElasticRayExecutor.create_settings(), use_gpu=True)
+
+
+def _trainer_loop(config):
+    """Ray Train's loop: this worker's shard of the Ray Dataset, an epoch at a time, each
+    reported with a checkpoint; in the first group, rank 1's process dies before epoch 2."""
+    os.environ["KERAS_BACKEND"] = "torch"
+    import keras
+    import ray.train
+    import torch
+
+    import keras_ring as kr
+
+    torch.set_num_threads(1)
+    kr.init()
+    context = ray.train.get_context()
+    ranks = {"rank": kr.rank(), "size": kr.size(), "local": (kr.local_rank(), kr.local_size()),
+             "ray": (context.get_world_rank(), context.get_world_size(),
+                     context.get_local_rank(), context.get_local_world_size())}
+    shard = ray.train.get_dataset_shard("train")
+    rows = list(shard.iter_batches(batch_size=None, batch_format="numpy"))
+    x = np.concatenate([r["x"] for r in rows]).astype("float32")
+    y = np.concatenate([r["y"] for r in rows]).astype("int32")
+    keras.utils.set_random_seed(config["seed"] + kr.rank())  # each rank its own weights
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.Adam(1e-2)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            model.load_weights(os.path.join(directory, "model.weights.h5"))
+            start = int(pathlib.Path(directory, "epoch").read_text()) + 1
+    with open(config["starts"], "a") as f:
+        f.write(f"{kr.rank()} {start}\n")
+    for epoch in range(start, config["epochs"]):
+        if start == 0 and epoch == 2 and kr.rank() == 1:
+            # Once Ray Train's controller, which polls every 2 s, has taken the reports: a
+            # poll that finds a worker dead drops those it brings.
+            time.sleep(5)
+            os._exit(1)  # its process dies, as one SIGKILLed
+        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                            callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)])
+        flat = np.concatenate([w.ravel() for w in model.get_weights()])
+        everyone = kr.allgather_object({**ranks, "rows": len(x), "weights": flat})
+        with tempfile.TemporaryDirectory() as directory:
+            checkpoint = None
+            if kr.rank() == 0:
+                model.save_weights(os.path.join(directory, "model.weights.h5"))
+                pathlib.Path(directory, "epoch").write_text(str(epoch))
+                checkpoint = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report(
+                {"epoch": epoch, "loss": history.history["loss"][-1],
+                 "ranks": [{k: v for k, v in e.items() if k != "weights"} for e in everyone],
+                 "identical": all(np.array_equal(e["weights"], flat) for e in everyone)},
+                checkpoint=checkpoint)
+
+
+# Ray Data warns of its own deprecated settings as it copies its context.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+def test_the_trainer_trains_on_ray_train_workers_and_restarts_from_the_last_checkpoint(
+        cluster, tmp_path):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    from keras_ring.ray import KerasRingTrainer
+
+    # Ray pickles the loop by reference to its module, which Ray's workers cannot import:
+    # by value instead, as it pickles a script's own functions.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    data = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    dataset = ray.data.from_items([{"x": row, "y": int(row.sum() > 0)} for row in data])
+    starts = tmp_path / "starts"
+    result = KerasRingTrainer(
+        _trainer_loop, train_loop_config={"seed": 3, "epochs": 4, "starts": str(starts)},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(tmp_path), name="trainer",
+                             failure_config=FailureConfig(max_failures=1)),
+        datasets={"train": dataset}).fit()
+    assert result.error is None, result.error
+    # The first group started at epoch 0; after rank 1 died, Ray Train started a second group,
+    # a new keras-ring job, from the last checkpoint it had registered (of epoch 1, or 0 if
+    # its controller was late).
+    first, second = (sorted(lines) for lines in np.reshape(
+        starts.read_text().splitlines(), (2, 2)))
+    assert first == ["0 0", "1 0"], first
+    assert second in (["0 1", "1 1"], ["0 2", "1 2"]), second
+    metrics = result.metrics
+    assert metrics["epoch"] == 3
+    # keras-ring's ranks are Ray Train's; both workers share this node's memory.
+    assert [(r["rank"], r["size"], r["local"]) for r in metrics["ranks"]] == [
+        (0, 2, (0, 2)), (1, 2, (1, 2))]
+    assert all(r["ray"] == (r["rank"], 2, r["rank"], 2) for r in metrics["ranks"])
+    # Each worker fit its own shard of the dataset, and they hold the same weights.
+    assert sum(r["rows"] for r in metrics["ranks"]) == 64
+    assert metrics["identical"]
+    assert np.isfinite(metrics["loss"])
+    with result.checkpoint.as_directory() as directory:
+        assert sorted(os.listdir(directory)) == ["epoch", "model.weights.h5"]
+        assert pathlib.Path(directory, "epoch").read_text() == "3"
+
+
+def test_the_trainer_refuses_gpus():
+    from ray.train import ScalingConfig
+
+    from keras_ring.ray import KerasRingTrainer
+
+    with pytest.raises(ValueError, match="does not support GPUs"):
+        KerasRingTrainer(_trainer_loop, scaling_config=ScalingConfig(num_workers=2,
+                                                                     use_gpu=True))
 
 
 def test_elastic_a_node_added_grows_the_job_up_to_max_num_proc(tmp_path):
