@@ -145,6 +145,24 @@ def test_a_workers_exception_comes_back_with_its_rank_and_traceback(executor):
     assert "Traceback on rank 1" in str(info.value.__cause__)
 
 
+def _die_on_rank_1_before_init():
+    if os.environ["KERAS_RING_RANK"] == "1":
+        os._exit(1)
+    return _ranks()
+
+
+def test_an_actor_that_dies_before_init_is_named(cluster):
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    # Rank 0's kr.init() waits this long for rank 1 before it fails too.
+    ex.start(extra_env_vars={"KERAS_RING_TIMEOUT": "5"})
+    try:
+        with pytest.raises(RuntimeError, match=r"the Ray actor of rank 1 \(of 2\) died before "
+                                               r"its function returned"):
+            ex.run(_die_on_rank_1_before_init)
+    finally:
+        ex.shutdown()
+
+
 class _Counter:
     def __init__(self, start):
         self.count = start

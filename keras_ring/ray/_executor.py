@@ -238,7 +238,14 @@ class RayExecutor:
         return [w.execute.remote(payload, path, executable) for w in workers]
 
     def _collect(self, refs):
-        return raise_first_failure([_outcome(ref) for ref in refs])
+        outcomes = [_outcome(ref) for ref in refs]
+        # A worker whose actor died caused the others' errors (their collectives, or kr.init(),
+        # waiting for it): named first.
+        for rank, outcome in enumerate(outcomes):
+            if outcome[0] == "died":
+                raise RuntimeError(f"keras-ring: the Ray actor of rank {rank} (of {len(outcomes)}) "
+                                   f"died before its function returned: {outcome[1]}")
+        return raise_first_failure(outcomes)
 
 
 def _no_callbacks(callbacks):
@@ -249,9 +256,12 @@ def _no_callbacks(callbacks):
 
 
 def _outcome(ref):
-    """A worker's result, from its Ray object ref, as the tuple `raise_first_failure` takes."""
+    """A worker's result, from its Ray object ref, as the tuple `raise_first_failure` takes, or
+    ("died", why) if its actor died."""
     try:
         return ("ok", ray.get(ref))
+    except ray.exceptions.RayActorError as e:
+        return ("died", str(e))
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(e.cause, BaseException) else None
         return ("error", cause, cause_of(e), str(e))
