@@ -145,6 +145,30 @@ def test_a_workers_exception_comes_back_with_its_rank_and_traceback(executor):
     assert "Traceback on rank 1" in str(info.value.__cause__)
 
 
+def _leave_on_rank_1():
+    import keras_ring as kr
+
+    kr.init()
+    if kr.rank() == 1:
+        raise ValueError("rank 1 leaves")
+    return kr.allgather_object(kr.rank())  # waits for rank 1, which never comes
+
+
+def test_a_rank_that_raises_fails_the_others_collectives_at_once(cluster):
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    ex.start()  # KERAS_RING_TIMEOUT's default: 300 s
+    try:
+        first, second = ex.run_remote(_leave_on_rank_1)
+        with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 leaves"):
+            ray.get(second)
+        # Rank 0 hears that rank 1 has shut its engine down, as if its process had ended.
+        with pytest.raises(ray.exceptions.RayTaskError,
+                           match=r"shut down \(shutdown\(\) or its process exiting\)"):
+            ray.get(first, timeout=200)
+    finally:
+        ex.shutdown()
+
+
 def _die_on_rank_1_before_init():
     if os.environ["KERAS_RING_RANK"] == "1":
         os._exit(1)

@@ -53,7 +53,21 @@ class _Worker:
 
     def execute(self, payload, path, executable):
         fn, args, kwargs = _load(payload, path)
-        return fn(self.executable) if executable else fn(*args, **kwargs)
+        try:
+            return fn(self.executable) if executable else fn(*args, **kwargs)
+        except BaseException:
+            _leave_job()
+            raise
+
+
+def _leave_job():
+    """What a rank's process does as it ends: shuts its engine down, so that the others'
+    collectives fail at once, naming it, rather than wait for it until KERAS_RING_TIMEOUT."""
+    basics = sys.modules.get("keras_ring.core._basics")
+    if basics is not None and basics.is_initialized():
+        from keras_ring.core import _lifecycle
+
+        _lifecycle.shutdown()
 
 
 def _load(payload, path):
