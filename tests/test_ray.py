@@ -239,10 +239,11 @@ def _train_script():
     return os.environ["KERAS_RING_WORKER"]
 
 
-def run_elastic_on_ray(tmp_path, capfd, env, **settings):
+def run_elastic_on_ray(tmp_path, capfd, env, horovod_0_28=False, **settings):
     """Runs the elastic training script on the cluster's 3 slots; returns (result, logs), as
     test_elastic.run_elastic does: result.returncode 0 with the workers' names in rank order,
-    1 with the error; result.stdout the driver's lines."""
+    1 with the error; result.stdout the driver's lines. With `horovod_0_28`, through Horovod
+    0.28's form, `RayExecutor(min_workers=...)`, with `settings` in its arguments' names."""
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     env = {**RANK_THREAD_ENV, "KR_TEST_LOG": str(log_dir), "KR_TEST_EPOCHS": str(EPOCHS),
@@ -250,8 +251,13 @@ def run_elastic_on_ray(tmp_path, capfd, env, **settings):
            # Long enough for the three actors to start and ask before the first world forms.
            "KERAS_RING_TIMEOUT": "30", **env}
     before = shm_segments()
-    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(**settings), env_vars=env)
-    executor.start()
+    if horovod_0_28:
+        executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), **settings)
+        executor.start(extra_env_vars=env)
+    else:
+        executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(**settings),
+                                      env_vars=env)
+        executor.start()
     try:
         code, value = 0, executor.run(_train_script)
     except RuntimeError as e:
@@ -271,8 +277,10 @@ def run_elastic_on_ray(tmp_path, capfd, env, **settings):
 @pytest.mark.parametrize("fault", ["KILL", "RAISE"])
 def test_elastic_a_lost_worker_leaves_the_others_training_from_the_last_commit(
         cluster, tmp_path, capfd, fault):
+    # The RAISE job runs through Horovod 0.28's elastic RayExecutor, the same driver.
+    settings = {"min_workers": 2} if fault == "RAISE" else {"min_num_proc": 2}
     result, names, logs = run_elastic_on_ray(tmp_path, capfd, {"KR_TEST_FAULT": f"11:1:{fault}"},
-                                             min_num_proc=2)
+                                             horovod_0_28=fault == "RAISE", **settings)
     check_training_went_on(result, logs, survivors=2)
     resets = resets_of(logs)
     assert len(resets) == 2 and all(r["size"] == 2 for r in resets), resets
@@ -330,6 +338,24 @@ def test_elastic_an_actor_ray_cannot_start_in_time_is_left_out_and_the_others_tr
     err = capfd.readouterr().err
     assert re.search(r"lost worker \S+:2 \(not in a world\): Ray did not start its actor within "
                      r"timeout_s=3 s \(1 CPUs on node \w+ asked for\)", err), err[-4000:]
+
+
+def test_the_elastic_form_of_ray_executor_refuses_what_it_cannot_do(cluster):
+    with pytest.raises(ValueError, match="needs a positive `min_workers`"):
+        RayExecutor(RayExecutor.create_settings(), max_workers=3)
+    with pytest.raises(ValueError, match="not both"):
+        RayExecutor(RayExecutor.create_settings(), num_workers=2, min_workers=2)
+    executor = RayExecutor(RayExecutor.create_settings(), min_workers=2)
+    with pytest.raises(RuntimeError, match="call start"):
+        executor.run(_size)
+    with pytest.raises(NotImplementedError, match="not an executable_cls"):
+        executor.start(executable_cls=_Counter)
+    executor.start()
+    for call in (lambda: executor.run_remote(_size), lambda: executor.execute(_size),
+                 lambda: executor.execute_single(_size)):
+        with pytest.raises(NotImplementedError, match="has only run"):
+            call()
+    executor.shutdown()
 
 
 def test_elastic_run_before_start_gpus_and_callbacks_are_refused(cluster):

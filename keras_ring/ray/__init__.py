@@ -3,8 +3,13 @@
 Ray Train trainer whose workers form one keras-ring job.
 """
 
-from keras_ring.ray._elastic import ElasticRayExecutor
-from keras_ring.ray._executor import RayExecutor
+try:
+    import ray  # noqa: F401
+except ImportError as e:
+    raise ImportError('keras_ring.ray needs Ray: pip install "keras-ring[ray]"') from e
+
+from keras_ring.ray._elastic import ElasticRayExecutor  # noqa: E402
+from keras_ring.ray._executor import RayExecutor  # noqa: E402
 
 __all__ = ["ElasticRayExecutor", "KerasRingConfig", "KerasRingTrainer", "RayExecutor"]
 

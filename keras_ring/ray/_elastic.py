@@ -36,7 +36,7 @@ from keras_ring.launcher._elastic_driver import (
     remove_shm_segments,
     worker_env,
 )
-from keras_ring.ray._executor import _load, _no_callbacks, _pack, cause_of
+from keras_ring.ray._calls import _load, _no_callbacks, _pack, cause_of
 
 # How often the cluster's nodes are read.
 _NODES_INTERVAL_SECONDS = 1

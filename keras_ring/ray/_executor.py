@@ -8,24 +8,20 @@ shared memory serves within a node and the hierarchical path between nodes.
 """
 
 import dataclasses
+import functools
 import os
-import pickle
 import secrets
 import sys
 
-try:
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-except ImportError as e:
-    raise ImportError(
-        'keras_ring.ray needs Ray: pip install "keras-ring[ray]"') from e
-
-import cloudpickle
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from keras_ring.core._rendezvous import RendezvousServer
 from keras_ring.launcher._run import raise_first_failure
 from keras_ring.launcher._tcp_jobs import job_env
+from keras_ring.ray._calls import _load, _no_callbacks, _pack, cause_of
+from keras_ring.ray._elastic import ElasticRayExecutor
 
 
 @dataclasses.dataclass
@@ -70,18 +66,6 @@ def _leave_job():
         _lifecycle.shutdown()
 
 
-def _load(payload, path):
-    # What travels may live in a module beside the driver's script (a test's, say): the
-    # driver's import path is added after the worker's own, then the payload unpickled.
-    sys.path += [p for p in path if p not in sys.path and os.path.isdir(p)]
-    return pickle.loads(payload)
-
-
-def _pack(call):
-    """`call` pickled by value, and the driver's import path, for `_load` on a worker."""
-    return ray.put(cloudpickle.dumps(call)), [p for p in sys.path if p]
-
-
 class RayExecutor:
     """Runs a function on `num_workers` Ray actors that form one keras-ring job.
 
@@ -99,6 +83,13 @@ class RayExecutor:
         gpus_per_worker: Refused with `use_gpu`.
         use_current_placement_group: Accepted; the executor makes a
             placement group of its own in every case.
+        min_workers: Instead of `num_workers` or `num_hosts`, Horovod 0.28's
+            elastic form: `run` runs an elastic job of `min_workers` to
+            `max_workers` workers on the cluster's nodes, as
+            `ElasticRayExecutor` does (with `reset_limit`, `cooldown_range`,
+            `elastic_timeout` and `override_discovery` as its settings), one
+            worker per `cpus_per_worker` CPUs of a node; `run_remote`,
+            `execute` and `execute_single` are refused there.
 
     Example:
 
@@ -121,21 +112,37 @@ class RayExecutor:
 
     def __init__(self, settings, num_workers=None, num_hosts=None, num_workers_per_host=1,
                  cpus_per_worker=1, use_gpu=False, gpus_per_worker=None,
-                 use_current_placement_group=True):
+                 use_current_placement_group=True, min_workers=None, max_workers=None,
+                 reset_limit=None, cooldown_range=None, elastic_timeout=600,
+                 override_discovery=True):
         if use_gpu or gpus_per_worker:
             raise ValueError("keras-ring on Ray runs on CPUs only for now. Received: "
                              f"use_gpu={use_gpu!r}, gpus_per_worker={gpus_per_worker!r}")
+        self.settings = settings
+        self._elastic = self._elastic_args = None
+        self._workers = self._group = self._server = None
+        if max_workers is not None and not (min_workers and min_workers > 0):
+            raise ValueError("`max_workers` needs a positive `min_workers` (the elastic form). "
+                             f"Received: min_workers={min_workers!r}")
+        if min_workers is not None:
+            if num_workers is not None or num_hosts is not None:
+                raise ValueError("Pass `min_workers` (elastic) or `num_workers`/`num_hosts`, not "
+                                 f"both. Received: min_workers={min_workers!r}, "
+                                 f"num_workers={num_workers!r}, num_hosts={num_hosts!r}")
+            self._elastic_args = dict(
+                settings=ElasticRayExecutor.create_settings(
+                    min_num_proc=min_workers, max_num_proc=max_workers, reset_limit=reset_limit,
+                    elastic_timeout=elastic_timeout, timeout_s=settings.timeout_s,
+                    cooldown_range=cooldown_range),
+                cpus_per_slot=cpus_per_worker, override_discovery=override_discovery)
+            return
         if (num_workers is None) == (num_hosts is None):
             raise ValueError("Pass `num_workers`, or `num_hosts` with `num_workers_per_host`. "
                              f"Received: num_workers={num_workers!r}, num_hosts={num_hosts!r}")
-        self.settings = settings
         self._num_workers = num_workers
         self._num_hosts = num_hosts
         self._per_host = num_workers_per_host or 1
         self._cpus = cpus_per_worker
-        self._workers = None
-        self._group = None
-        self._server = None
 
     @classmethod
     def create_settings(cls, timeout_s=30, ssh_identity_file=None, ssh_str=None,
@@ -148,7 +155,16 @@ class RayExecutor:
 
     def start(self, executable_cls=None, executable_args=None, executable_kwargs=None,
               extra_env_vars=None):
-        """Places the workers, starts them and gives each its rank and the job's store."""
+        """Places the workers, starts them and gives each its rank and the job's store.
+
+        In the elastic form, only `extra_env_vars` may be given: the workers start with
+        each `run`."""
+        if self._elastic_args is not None:
+            if executable_cls is not None:
+                raise NotImplementedError("keras-ring: the elastic RayExecutor (min_workers) "
+                                          "runs functions, not an executable_cls")
+            self._elastic = ElasticRayExecutor(**self._elastic_args, env_vars=extra_env_vars)
+            return self._elastic.start()
         if self._workers is not None:
             raise RuntimeError("This RayExecutor has started already; shutdown() first.")
         if self._num_workers is not None:
@@ -211,8 +227,13 @@ class RayExecutor:
     def run(self, fn, args=None, kwargs=None, callbacks=None):
         """`fn(*args, **kwargs)` on every worker; their results in rank order.
 
-        `callbacks`, Horovod's receivers of what rank 0 logs, are refused."""
+        `callbacks`, Horovod's receivers of what rank 0 logs, are refused. In the elastic
+        form, the results are those of the last world's workers."""
         _no_callbacks(callbacks)
+        if self._elastic_args is not None:
+            if self._elastic is None:
+                raise RuntimeError("This RayExecutor is not started: call start() first.")
+            return self._elastic.run(functools.partial(fn, *(args or ()), **(kwargs or {})))
         return self._collect(self.run_remote(fn, args, kwargs))
 
     def run_remote(self, fn, args=None, kwargs=None):
@@ -231,6 +252,10 @@ class RayExecutor:
 
     def shutdown(self):
         """Stops the workers and frees their placement group and the store."""
+        if self._elastic is not None:
+            self._elastic.shutdown()
+            self._elastic = None
+            return
         for w in self._workers or []:
             ray.kill(w)
         self._workers = None
@@ -242,6 +267,9 @@ class RayExecutor:
             self._server = None
 
     def _started(self):
+        if self._elastic_args is not None:
+            raise NotImplementedError("keras-ring: the elastic RayExecutor (min_workers) has "
+                                      "only run(): its workers live for one run, as Horovod's")
         if self._workers is None:
             raise RuntimeError("This RayExecutor is not started: call start() first "
                                "(and not after shutdown()).")
@@ -262,13 +290,6 @@ class RayExecutor:
         return raise_first_failure(outcomes)
 
 
-def _no_callbacks(callbacks):
-    if callbacks:
-        raise NotImplementedError("keras-ring: RayExecutor and ElasticRayExecutor take no "
-                                  "callbacks (Horovod's receivers of the values rank 0 logs); "
-                                  "return values from the function instead")
-
-
 def _outcome(ref):
     """A worker's result, from its Ray object ref, as the tuple `raise_first_failure` takes, or
     ("died", why) if its actor died."""
@@ -279,9 +300,3 @@ def _outcome(ref):
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(e.cause, BaseException) else None
         return ("error", cause, cause_of(e), str(e))
-
-
-def cause_of(error):
-    """What a worker raised, from Ray's `RayTaskError`: "ValueError: ..."."""
-    cause = error.cause if isinstance(error.cause, BaseException) else None
-    return f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
