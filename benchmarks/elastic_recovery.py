@@ -1,6 +1,6 @@
 """Seconds from a worker's SIGKILL to the next training step, against restarting the job.
 
-    python benchmarks/elastic_recovery.py [--np 3] [--kill-at 40] [--repeats 2]
+    python benchmarks/elastic_recovery.py [--np 3] [--kill-at 40] [--repeats 2] [--on ray]
 
 Runs this file's training (an MLP fitted with `model.fit` on synthetic data,
 kr.elastic's state and callbacks, a commit every 5 steps) as an elastic job
@@ -9,6 +9,9 @@ the job has done `--kill-at` steps, and reads from the workers' step logs:
 
 - recovery: seconds from the kill to the first step finished in the new world;
 - throughput (steps per second) before the kill and after the recovery.
+
+With `--on ray`, the elastic job is an `ElasticRayExecutor` run on a local Ray
+cluster of NP CPUs instead (the baseline stays `keras-ring-run`'s).
 
 The baseline, measured in the same run: what a job that restarts every worker
 from a checkpoint pays at least (MultiWorkerMirroredStrategy's and torchrun's
@@ -103,11 +106,46 @@ def _launch(args, log_dir, extra):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+class _RayJob:
+    """An ElasticRayExecutor run in a thread, with `_launch`'s job's poll() and communicate()."""
+
+    def __init__(self, args, log_dir):
+        import threading
+
+        from keras_ring.ray import ElasticRayExecutor
+
+        self.executor = ElasticRayExecutor(
+            ElasticRayExecutor.create_settings(min_num_proc=args.np - 1, max_num_proc=args.np),
+            env_vars={"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+        self.executor.start()
+        self.returncode = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(log_dir, args.epochs))
+        self.thread.start()
+
+    def _run(self, log_dir, epochs):
+        try:
+            self.executor.run(lambda: worker(log_dir, epochs, elastic=True))
+            self.returncode = 0
+        except Exception as e:  # noqa: BLE001 -- reported as a launcher's exit would be
+            self.returncode, self.error = 1, e
+
+    def poll(self):
+        return None if self.thread.is_alive() else self.returncode
+
+    def communicate(self, timeout):
+        self.thread.join(timeout)
+        self.executor.shutdown()
+        return None, str(self.error)
+
+
 def elastic_run(args):
     """(recovery seconds, steps/s before, steps/s after) of one killed elastic job."""
     with tempfile.TemporaryDirectory() as log_dir:
-        job = _launch(args, log_dir, ["--elastic", "-np", str(args.np), "--min-np",
-                                      str(args.np - 1)])
+        if args.on == "ray":
+            job = _RayJob(args, log_dir)
+        else:
+            job = _launch(args, log_dir, ["--elastic", "-np", str(args.np), "--min-np",
+                                          str(args.np - 1)])
         killed_at = None
         deadline = time.monotonic() + 600
         while killed_at is None and time.monotonic() < deadline and job.poll() is None:
@@ -153,11 +191,21 @@ def main():
     parser.add_argument("--kill-at", type=int, default=40)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--on", choices=["keras-ring-run", "ray"], default="keras-ring-run",
+                        help="what runs the elastic job")
     parser.add_argument("--worker", metavar="LOG_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.epochs, elastic="KERAS_RING_ELASTIC" in os.environ)
+    name = "elastic_recovery"
+    if args.on == "ray":
+        import ray
+
+        name = "elastic_recovery_ray"
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        ray.init(num_cpus=args.np, include_dashboard=False, log_to_driver=False)
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     rows = []
     for repeat in range(args.repeats):
         recovery, before, after = elastic_run(args)
@@ -173,12 +221,13 @@ def main():
     sys.path.insert(0, os.path.dirname(__file__))
     from _report import save_plot, write_results
 
-    fig, ax = write_results(args.out, "elastic_recovery",
-                            {"np": args.np, "kill_at": args.kill_at, "rows": rows},
+    fig, ax = write_results(args.out, name,
+                            {"np": args.np, "kill_at": args.kill_at, "on": args.on,
+                             "rows": rows},
                             figsize=(6, 4))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["recovery_s"] for r in rows], 0.4,
-           label="elastic: kill to next step")
+           label=f"elastic on {args.on}: kill to next step")
     ax.bar([x + 0.2 for x in xs], [r["restart_s"] for r in rows], 0.4,
            label=f"restart: fresh {args.np - 1}-worker job to first step")
     ax.set_xlabel("run")
@@ -186,7 +235,7 @@ def main():
     ax.set_ylim(0, 1.4 * max(r["restart_s"] for r in rows))  # room for the legend
     ax.set_xticks(list(xs))
     ax.legend()
-    save_plot(fig, args.out, "elastic_recovery")
+    save_plot(fig, args.out, name)
 
 
 if __name__ == "__main__":
