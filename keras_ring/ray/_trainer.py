@@ -14,8 +14,12 @@ import os
 import secrets
 
 import ray
-from ray.train.backend import Backend, BackendConfig
-from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+try:
+    from ray.train.backend import Backend, BackendConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+except ImportError as e:
+    raise ImportError('KerasRingTrainer needs Ray Train: pip install "keras-ring[ray]"') from e
 
 from keras_ring.core._rendezvous import RendezvousServer
 from keras_ring.launcher._tcp_jobs import job_env
