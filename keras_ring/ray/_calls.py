@@ -21,6 +21,15 @@ def _pack(call):
     return ray.put(cloudpickle.dumps(call)), [p for p in sys.path if p]
 
 
+def _node_id():
+    """The Ray node this process runs on: a worker's host name in the job."""
+    return ray.get_runtime_context().get_node_id()
+
+
+def _set_env(env):
+    os.environ.update({k: str(v) for k, v in env.items()})
+
+
 def _no_callbacks(callbacks):
     if callbacks:
         raise NotImplementedError("keras-ring: RayExecutor and ElasticRayExecutor take no "

@@ -9,7 +9,6 @@ shared memory serves within a node and the hierarchical path between nodes.
 
 import dataclasses
 import functools
-import os
 import secrets
 import sys
 
@@ -20,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from keras_ring.core._rendezvous import RendezvousServer
 from keras_ring.launcher._run import raise_first_failure
 from keras_ring.launcher._tcp_jobs import job_env
-from keras_ring.ray._calls import _load, _no_callbacks, _pack, cause_of
+from keras_ring.ray._calls import _load, _no_callbacks, _node_id, _pack, _set_env, cause_of
 from keras_ring.ray._elastic import ElasticRayExecutor
 
 
@@ -38,10 +37,10 @@ class _Worker:
     executable = None
 
     def node(self):
-        return ray.get_runtime_context().get_node_id()
+        return _node_id()
 
     def set_env(self, env):
-        os.environ.update({k: str(v) for k, v in env.items()})
+        _set_env(env)
 
     def start_executable(self, payload, path):
         cls, args, kwargs = _load(payload, path)

@@ -10,7 +10,6 @@ hierarchical path between nodes.
 """
 
 import dataclasses
-import os
 import secrets
 
 import ray
@@ -23,6 +22,7 @@ except ImportError as e:
 
 from keras_ring.core._rendezvous import RendezvousServer
 from keras_ring.launcher._tcp_jobs import job_env
+from keras_ring.ray._calls import _node_id, _set_env
 
 
 @dataclasses.dataclass
@@ -47,16 +47,13 @@ class KerasRingConfig(BackendConfig):
         return {"timeout_s": self.timeout_s, "env": dict(self.env)}
 
 
-def _node_id():
-    return ray.get_runtime_context().get_node_id()
-
-
-def _set_env(env):
-    os.environ.update(env)
-
-
 class _KerasRingBackend(Backend):
-    """Serves each worker group's store while the group runs (one instance per process)."""
+    """Serves each worker group's store while the group runs.
+
+    Ray makes one instance per process (its Singleton metaclass), which keeps the stores.
+    """
+
+    _stores = {}  # id(worker group) -> its RendezvousServer
 
     def on_start(self, worker_group, backend_config):
         try:
@@ -70,8 +67,8 @@ class _KerasRingBackend(Backend):
         host = ray.util.get_node_ip_address()
         server = RendezvousServer(secret.encode(), host=host)
         server.start()
-        self._servers()[id(worker_group)] = server
-        env = job_env({k: str(v) for k, v in backend_config.env.items()},
+        self._stores[id(worker_group)] = server
+        env = job_env(dict(backend_config.env),
                       f"{host}:{server.address[1]}", secret)
         ray.get([worker_group.execute_single_async(rank, _set_env, {
             **env, "KERAS_RING_RANK": str(rank), "KERAS_RING_SIZE": str(len(nodes)),
@@ -79,14 +76,9 @@ class _KerasRingBackend(Backend):
             timeout=backend_config.timeout_s)
 
     def on_shutdown(self, worker_group, backend_config):
-        server = self._servers().pop(id(worker_group), None)
+        server = self._stores.pop(id(worker_group), None)
         if server is not None:
             server.stop()
-
-    def _servers(self):
-        if not hasattr(self, "_by_group"):
-            self._by_group = {}
-        return self._by_group
 
 
 class KerasRingTrainer(DataParallelTrainer):
