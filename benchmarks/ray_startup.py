@@ -20,6 +20,7 @@ and writes JSON and a PNG plot to benchmarks/results/.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def main():
     import ray
 
     # Ray's workers start in the driver's directory and import this file's functions by value.
-    os.chdir(tempfile.mkdtemp(prefix="kr-ray-startup-"))
+    here, scratch = os.getcwd(), tempfile.mkdtemp(prefix="kr-ray-startup-")
+    os.chdir(scratch)
     ray.init(num_cpus=args.np + 1, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     seconds = {name: [] for name in RUNS}
@@ -131,6 +133,8 @@ def main():
             with tempfile.TemporaryDirectory() as out:
                 seconds[name].append(RUNS[name](args, out))
     ray.shutdown()
+    os.chdir(here)
+    shutil.rmtree(scratch, ignore_errors=True)
     base = statistics.median(seconds["keras-ring-run"])
     print(f"{'start':>17} {'median s':>9} {'runs s':>22} {'/ keras-ring-run':>17}")
     for name, values in seconds.items():

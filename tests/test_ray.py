@@ -11,11 +11,11 @@ import pathlib
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 import pytest
+import ray_jobs
 from conftest import RANK_THREAD_ENV
 from elastic_checks import (
     EPOCHS,
@@ -33,7 +33,7 @@ ray = pytest.importorskip("ray")
 from keras_ring.ray import ElasticRayExecutor, RayExecutor  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parent.parent
-ELASTIC_WORKER = pathlib.Path(__file__).parent / "workers" / "elastic_train_worker.py"
+WORKERS = pathlib.Path(__file__).parent / "workers"
 CPUS = 3
 DOC_EPILOGUE = """
 assert [rank for rank, _ in results] == [0, 1], results
@@ -78,6 +78,9 @@ def cluster(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("ray"))
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
+    # Ray Train pickles functions by reference to their module, which its workers cannot
+    # import: by value instead, as it pickles a script's own functions.
+    ray.cloudpickle.register_pickle_by_value(ray_jobs)
     yield
     ray.shutdown()
     os.chdir(here)
@@ -91,43 +94,18 @@ def executor(cluster):
     ex.shutdown()
 
 
-def _ranks():
-    import keras_ring as kr
-
-    kr.init()
-    return kr.rank(), kr.size(), kr.local_rank(), kr.local_size()
-
-
 def test_results_come_back_in_rank_order(executor):
-    assert executor.run(_ranks) == [(0, 2, 0, 2), (1, 2, 1, 2)]
-    assert ray.get(executor.run_remote(_ranks))[1][0] == 1
-    assert executor.execute_single(lambda _: _ranks()[0]) == 0
+    assert [r[:4] for r in executor.run(ray_jobs.ranks)] == [(0, 2, 0, 2), (1, 2, 1, 2)]
+    assert ray.get(executor.run_remote(ray_jobs.ranks))[1][0] == 1
+    assert executor.execute_single(lambda _: ray_jobs.ranks()[0]) == 0
 
 
-def _fit(seed):
-    os.environ["KERAS_BACKEND"] = "torch"
-    import keras
-    import torch
-
-    import keras_ring as kr
-
-    torch.set_num_threads(1)
-    kr.init()
-    keras.utils.set_random_seed(seed + kr.rank())  # each rank starts from its own weights
-    x = np.random.default_rng(kr.rank()).normal(size=(64, 8)).astype("float32")
-    y = (x.sum(1) > 0).astype("int32")
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(2)])
-    model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.Adam(1e-2)),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-              callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)])
-    return model.get_weights()
-
-
-def test_workers_that_start_from_different_weights_end_identical(executor):
-    first, second = executor.run(_fit, kwargs={"seed": 3})
-    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_workers_that_start_from_different_weights_end_identical(executor, backend):
+    (start0, end0), (start1, end1) = executor.run(ray_jobs.fit, kwargs={"seed": 3,
+                                                                        "backend": backend})
+    assert not all(np.array_equal(a, b) for a, b in zip(start0, start1))
+    assert all(np.array_equal(a, b) for a, b in zip(end0, end1))
 
 
 def _fail_on_rank_1():
@@ -172,7 +150,7 @@ def test_a_rank_that_raises_fails_the_others_collectives_at_once(cluster):
 def _die_on_rank_1_before_init():
     if os.environ["KERAS_RING_RANK"] == "1":
         os._exit(1)
-    return _ranks()
+    return ray_jobs.ranks()
 
 
 def test_an_actor_that_dies_before_init_is_named(cluster):
@@ -210,11 +188,11 @@ def test_execute_calls_each_workers_executable(cluster):
 def test_run_before_start_and_after_shutdown_is_refused(cluster):
     ex = RayExecutor(RayExecutor.create_settings(), num_workers=1)
     with pytest.raises(RuntimeError, match="call start"):
-        ex.run(_ranks)
+        ex.run(ray_jobs.ranks)
     ex.start()
     ex.shutdown()
     with pytest.raises(RuntimeError, match="call start"):
-        ex.run(_ranks)
+        ex.run(ray_jobs.ranks)
 
 
 def test_more_workers_than_the_cluster_can_place_time_out_and_leave_nothing(cluster):
@@ -229,14 +207,7 @@ def test_gpus_and_callbacks_are_refused(executor):
     with pytest.raises(ValueError, match="CPUs only"):
         RayExecutor(RayExecutor.create_settings(), num_workers=1, use_gpu=True)
     with pytest.raises(NotImplementedError, match="take no callbacks"):
-        executor.run(_ranks, callbacks=[print])
-
-
-def _train_script():
-    import runpy
-
-    runpy.run_path(str(ELASTIC_WORKER), run_name="__main__")
-    return os.environ["KERAS_RING_WORKER"]
+        executor.run(ray_jobs.ranks, callbacks=[print])
 
 
 def run_elastic_on_ray(tmp_path, capfd, env, horovod_0_28=False, **settings):
@@ -259,7 +230,7 @@ def run_elastic_on_ray(tmp_path, capfd, env, horovod_0_28=False, **settings):
                                       env_vars=env)
         executor.start()
     try:
-        code, value = 0, executor.run(_train_script)
+        code, value = 0, executor.run(ray_jobs.train_script)
     except RuntimeError as e:
         code, value = 1, e
     finally:
@@ -360,67 +331,11 @@ def test_the_elastic_form_of_ray_executor_refuses_what_it_cannot_do(cluster):
 
 def test_elastic_run_before_start_gpus_and_callbacks_are_refused(cluster):
     with pytest.raises(RuntimeError, match="call start"):
-        ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(_train_script)
+        ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(ray_jobs.train_script)
     with pytest.raises(NotImplementedError, match="take no callbacks"):
-        ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(_train_script, [print])
+        ElasticRayExecutor(ElasticRayExecutor.create_settings()).run(ray_jobs.train_script, [print])
     with pytest.raises(ValueError, match="CPUs only"):
         ElasticRayExecutor(ElasticRayExecutor.create_settings(), use_gpu=True)
-
-
-def _trainer_loop(config):
-    """Ray Train's loop: this worker's shard of the Ray Dataset, an epoch at a time, each
-    reported with a checkpoint; in the first group, rank 1's process dies before epoch 2."""
-    os.environ["KERAS_BACKEND"] = "torch"
-    import keras
-    import ray.train
-    import torch
-
-    import keras_ring as kr
-
-    torch.set_num_threads(1)
-    kr.init()
-    context = ray.train.get_context()
-    ranks = {"rank": kr.rank(), "size": kr.size(), "local": (kr.local_rank(), kr.local_size()),
-             "ray": (context.get_world_rank(), context.get_world_size(),
-                     context.get_local_rank(), context.get_local_world_size())}
-    shard = ray.train.get_dataset_shard("train")
-    rows = list(shard.iter_batches(batch_size=None, batch_format="numpy"))
-    x = np.concatenate([r["x"] for r in rows]).astype("float32")
-    y = np.concatenate([r["y"] for r in rows]).astype("int32")
-    keras.utils.set_random_seed(config["seed"] + kr.rank())  # each rank its own weights
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(2)])
-    model.compile(optimizer=kr.DistributedOptimizer(keras.optimizers.Adam(1e-2)),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    start = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            model.load_weights(os.path.join(directory, "model.weights.h5"))
-            start = int(pathlib.Path(directory, "epoch").read_text()) + 1
-    with open(config["starts"], "a") as f:
-        f.write(f"{kr.rank()} {start}\n")
-    for epoch in range(start, config["epochs"]):
-        if start == 0 and epoch == 2 and kr.rank() == 1:
-            # Once Ray Train's controller, which polls every 2 s, has taken the reports: a
-            # poll that finds a worker dead drops those it brings.
-            time.sleep(5)
-            os._exit(1)  # its process dies, as one SIGKILLed
-        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                            callbacks=[kr.callbacks.BroadcastGlobalVariablesCallback(0)])
-        flat = np.concatenate([w.ravel() for w in model.get_weights()])
-        everyone = kr.allgather_object({**ranks, "rows": len(x), "weights": flat})
-        with tempfile.TemporaryDirectory() as directory:
-            checkpoint = None
-            if kr.rank() == 0:
-                model.save_weights(os.path.join(directory, "model.weights.h5"))
-                pathlib.Path(directory, "epoch").write_text(str(epoch))
-                checkpoint = ray.train.Checkpoint.from_directory(directory)
-            ray.train.report(
-                {"epoch": epoch, "loss": history.history["loss"][-1],
-                 "ranks": [{k: v for k, v in e.items() if k != "weights"} for e in everyone],
-                 "identical": all(np.array_equal(e["weights"], flat) for e in everyone)},
-                checkpoint=checkpoint)
 
 
 # Ray Data warns of its own deprecated settings as it copies its context.
@@ -431,14 +346,13 @@ def test_the_trainer_trains_on_ray_train_workers_and_restarts_from_the_last_chec
 
     from keras_ring.ray import KerasRingTrainer
 
-    # Ray pickles the loop by reference to its module, which Ray's workers cannot import:
-    # by value instead, as it pickles a script's own functions.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     data = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
     dataset = ray.data.from_items([{"x": row, "y": int(row.sum() > 0)} for row in data])
     starts = tmp_path / "starts"
     result = KerasRingTrainer(
-        _trainer_loop, train_loop_config={"seed": 3, "epochs": 4, "starts": str(starts)},
+        ray_jobs.trainer_loop,
+        train_loop_config={"seed": 3, "epochs": 4, "starts": str(starts), "die_at": 2,
+                           "backend": "torch"},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(tmp_path), name="trainer",
                              failure_config=FailureConfig(max_failures=1)),
@@ -466,13 +380,35 @@ def test_the_trainer_trains_on_ray_train_workers_and_restarts_from_the_last_chec
         assert pathlib.Path(directory, "epoch").read_text() == "3"
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+def test_the_trainer_trains_under_tensorflow_too(cluster, tmp_path):
+    # PyTorch's is the test above, JAX's test_ray_netns.py's.
+    backend = "tensorflow"
+    from ray.train import RunConfig, ScalingConfig
+
+    from keras_ring.ray import KerasRingTrainer
+
+    data = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    result = KerasRingTrainer(
+        ray_jobs.trainer_loop,
+        train_loop_config={"seed": 3, "epochs": 2, "starts": str(tmp_path / "starts"),
+                           "die_at": None, "backend": backend},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(tmp_path), name="trainer"),
+        datasets={"train": ray.data.from_items([{"x": row, "y": int(row.sum() > 0)}
+                                                for row in data])}).fit()
+    assert result.error is None, result.error
+    assert result.metrics["epoch"] == 1 and result.metrics["identical"], result.metrics
+    assert [r["rank"] for r in result.metrics["ranks"]] == [0, 1]
+
+
 def test_the_trainer_refuses_gpus():
     from ray.train import ScalingConfig
 
     from keras_ring.ray import KerasRingTrainer
 
     with pytest.raises(ValueError, match="does not support GPUs"):
-        KerasRingTrainer(_trainer_loop, scaling_config=ScalingConfig(num_workers=2,
+        KerasRingTrainer(ray_jobs.trainer_loop, scaling_config=ScalingConfig(num_workers=2,
                                                                      use_gpu=True))
 
 
@@ -481,7 +417,7 @@ def test_elastic_a_node_added_grows_the_job_up_to_max_num_proc(tmp_path):
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     result = subprocess.run(
-        [sys.executable, str(ELASTIC_WORKER.parent / "ray_grow_driver.py")],
+        [sys.executable, str(WORKERS / "ray_grow_driver.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         env={**os.environ, **RANK_THREAD_ENV, "KERAS_BACKEND": "torch",
              "RAY_USAGE_STATS_ENABLED": "0", "KR_TEST_LOG": str(log_dir),
