@@ -36,10 +36,12 @@ def _keras(backend):
 
 
 def ranks():
-    """keras-ring's rank, size, local rank and local size in this worker, and its host name."""
+    """keras-ring's rank, size, local rank and local size in this worker, and its host name,
+    also printed."""
     import keras_ring as kr
 
     kr.init()
+    print(f"rank {kr.rank()} of {kr.size()} on {socket.gethostname()}", flush=True)
     return kr.rank(), kr.size(), kr.local_rank(), kr.local_size(), socket.gethostname()
 
 

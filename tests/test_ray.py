@@ -40,6 +40,14 @@ assert [rank for rank, _ in results] == [0, 1], results
 assert all(np.array_equal(a, b) for a, b in zip(results[0][1], results[1][1]))
 print("the Ray page's job ran on", len(results), "workers")
 """
+ELASTIC_EPILOGUE = """
+import numpy as np
+# One worker per CPU of this machine, up to max_num_proc.
+assert [r[:2] for r in results] == [(rank, len(results)) for rank in range(len(results))]
+assert len(results) >= 2, results
+assert all(np.array_equal(a, b) for r in results[1:] for a, b in zip(results[0][2], r[2]))
+print("the Ray page's elastic job ran on", len(results), "workers")
+"""
 TRAINER_EPILOGUE = """
 assert result.error is None and np.isfinite(result.metrics["loss"]), result
 with result.checkpoint.as_directory() as directory:
@@ -67,8 +75,12 @@ def test_the_ray_pages_script_runs_as_written(tmp_path):
         tmp_path, 0, "import numpy as np\n" + DOC_EPILOGUE)
 
 
+def test_the_ray_pages_elastic_script_runs_as_written(tmp_path):
+    assert "the Ray page's elastic job ran on" in run_page_script(tmp_path, 1, ELASTIC_EPILOGUE)
+
+
 def test_the_ray_pages_trainer_script_runs_as_written(tmp_path):
-    assert "the Ray page's trainer ran" in run_page_script(tmp_path, 1, TRAINER_EPILOGUE)
+    assert "the Ray page's trainer ran" in run_page_script(tmp_path, 2, TRAINER_EPILOGUE)
 
 
 @pytest.fixture(scope="module")

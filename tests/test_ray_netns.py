@@ -42,6 +42,7 @@ if NetnsHosts.unavailable():
 
 DRIVER = pathlib.Path(__file__).parent / "workers" / "ray_netns_driver.py"
 HEAD = "10.77.0.1:6379"
+RESULT = "driver's result: "  # the driver's line (ray_netns_driver.RESULT)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,9 @@ def cluster():
            "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_ADDRESS": HEAD,
-           "KERAS_BACKEND": "torch"}
+           "KERAS_BACKEND": "torch",
+           # Ray's driver merges lines that differ only in numbers (the ranks' own): each apart.
+           "RAY_DEDUP_LOGS": "0"}
 
     def shell(host, command, timeout=300, **extra):
         """`command` in `host`'s shell, in `root`; the CompletedProcess, its output merged."""
@@ -81,11 +84,12 @@ def drive(cluster, scenario, **env):
     hosts, root, shell = cluster
     result = shell(0, f"python {DRIVER} {scenario}", **env)
     assert result.returncode == 0, result.stdout[-8000:]
-    return json.loads(result.stdout.splitlines()[-1]), result.stdout
+    line = next(line for line in result.stdout.splitlines() if line.startswith(RESULT))
+    return json.loads(line[len(RESULT):]), result.stdout
 
 
 def test_the_executors_ranks_span_both_hosts_and_end_with_identical_weights(cluster):
-    outcome, _ = drive(cluster, "executor")
+    outcome, output = drive(cluster, "executor")
     # Packed onto the two hosts, two workers on one: the ranks of a host are consecutive, with
     # local ranks in the same order. The host names are the namespaces' own: each rank ran on
     # the node Ray said.
@@ -103,6 +107,12 @@ def test_the_executors_ranks_span_both_hosts_and_end_with_identical_weights(clus
     assert sorted((r[4], r[1:4]) for r in outcome["hosts"]) == [("host0", [2, 0, 1]),
                                                                 ("host1", [2, 0, 1])]
     assert sorted(r[0] for r in outcome["hosts"]) == [0, 1]
+    # Ray prefixes each worker's lines with its rank, and the address of a node not the
+    # driver's.
+    for rank, size, _, _, host in outcome["ranks"] + outcome["hosts"]:
+        ip = ", ip=10.77.0.2" if host == "host1" else ""
+        assert re.search(rf"\(rank {rank} pid=\d+{ip}\)\S* rank {rank} of {size} on {host}\n",
+                         output), output[-6000:]
     assert outcome["starts_differ"] == [True, True]
     assert outcome["ends_identical"] == [True, True]
 
@@ -138,5 +148,10 @@ def test_elastic_a_worker_killed_mid_fit_leaves_the_others_training_across_hosts
     first = re.search(r"generation 0: 3 workers \((.*)\)", output)
     assert first and {"10.77.0.1", "10.77.0.2"} == set(re.findall(r"10\.77\.0\.\d", first[1]))
     assert sorted(name.split("-")[0] for name in outcome["names"]) == ["10.77.0.1", "10.77.0.2"]
+    # Ray prefixes a worker's lines with its place, the same in each world.
+    for name in outcome["names"]:
+        place = name.rsplit(":", 1)[0]
+        assert re.search(rf"\({place} pid=\d+(, ip=10\.77\.0\.2)?\)\S* worker {name}: finished as "
+                         r"rank \d of 2", output), output[-6000:]
     hosts, _, _ = cluster
     assert [p for p in hosts.shm_left() if os.path.basename(p).startswith("kr-")] == []

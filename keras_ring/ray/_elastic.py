@@ -36,7 +36,7 @@ from keras_ring.launcher._elastic_driver import (
     remove_shm_segments,
     worker_env,
 )
-from keras_ring.ray._calls import _load, _no_callbacks, _pack, cause_of
+from keras_ring.ray._calls import _load, _no_callbacks, _node_id, _pack, cause_of
 
 # How often the cluster's nodes are read.
 _NODES_INTERVAL_SECONDS = 1
@@ -55,10 +55,19 @@ class ElasticSettings:
 
 
 class _ElasticWorker:
-    """One worker: a Ray actor that runs the job's function once."""
+    """One worker: a Ray actor that runs the job's function once. Ray prefixes the lines it
+    prints with its repr, the worker's place (host:slot), as `keras-ring-run --elastic
+    --prefix-output` does, which stays while its rank changes:
+    `(10.0.0.2-0c47d9ac:1 pid=4242, ip=10.0.0.2)`."""
+
+    def __init__(self, place):
+        self.place = place
+
+    def __repr__(self):
+        return self.place
 
     def pid(self):
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        return os.getpid(), _node_id()
 
     def run(self, env, payload, path):
         os.environ.update(env)
@@ -229,7 +238,7 @@ class _RayJob(DriverLoop):
         actor = ray.remote(_ElasticWorker).options(
             num_cpus=self.cpus, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.nodes[w.host], soft=False))
-        actor = actor.remote()
+        actor = actor.remote(w.place)
         env = {**self.env, "KERAS_RING_WORKER": w.name, "KERAS_RING_HOSTNAME": self.nodes[w.host]}
         pid = actor.pid.remote()  # first: an actor runs its calls in order
         self.actors[w.name] = (actor, actor.run.remote(env, *self.packed), pid)
@@ -295,7 +304,7 @@ class _RayJob(DriverLoop):
 
     def leave_nothing(self):
         """Kills every actor and removes the shared-memory segments of those on this node."""
-        here = ray.get_runtime_context().get_node_id()
+        here = _node_id()
         pids = []
         for actor, _, pid in self.actors.values():
             ready, _ = ray.wait([pid], timeout=0)

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from keras_ring.core._rendezvous import RendezvousServer
 from keras_ring.launcher._run import raise_first_failure
 from keras_ring.launcher._tcp_jobs import job_env
-from keras_ring.ray._calls import _load, _no_callbacks, _node_id, _pack, _set_env, cause_of
+from keras_ring.ray._calls import _load, _no_callbacks, _pack, _set_env, cause_of
 from keras_ring.ray._elastic import ElasticRayExecutor
 
 
@@ -32,12 +32,16 @@ class Settings:
 
 
 class _Worker:
-    """One rank: a Ray actor that runs the functions it is given."""
+    """One rank: a Ray actor that runs the functions it is given. Ray prefixes the lines it
+    prints with its repr, `(rank 1 pid=4242, ip=10.0.0.2)`."""
 
     executable = None
 
-    def node(self):
-        return _node_id()
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __repr__(self):
+        return f"rank {self.rank}"
 
     def set_env(self, env):
         _set_env(env)
@@ -181,13 +185,21 @@ class RayExecutor:
                 f"keras-ring: Ray could not place {len(bundles)} bundles of {bundles[0]} "
                 f"({strategy}) within {self.settings.placement_group_timeout_s} s; the cluster "
                 f"has {ray.available_resources()} free.")
+        # Ranks of one node are consecutive, nodes in the order of their first bundle: known
+        # from the placement, so each actor is made with its rank (its output's prefix).
+        nodes = ray.util.placement_group_table(self._group)["bundles_to_node_id"]
+        order = {}
+        for b in range(len(bundles)):
+            order.setdefault(nodes[b], len(order))
+        slots = [b for b in sorted(range(len(bundles)), key=lambda b: order[nodes[b]])
+                 for _ in range(per_bundle)]
         actor = ray.remote(_Worker)
         self._workers = [
             actor.options(num_cpus=self._cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self._group, placement_group_bundle_index=b)).remote()
-            for b in range(len(bundles)) for _ in range(per_bundle)]
+                self._group, placement_group_bundle_index=b)).remote(rank)
+            for rank, b in enumerate(slots)]
         try:
-            self._connect(extra_env_vars)
+            self._connect(extra_env_vars, [nodes[b] for b in slots])
             if executable_cls is not None:
                 payload, path = _pack((executable_cls, executable_args or [],
                                        executable_kwargs or {}))
@@ -196,32 +208,25 @@ class RayExecutor:
             self.shutdown()  # no actor, group or store is left behind
             raise
 
-    def _connect(self, extra_env_vars):
-        """Ranks the started actors by node and gives each its rank and the job's store."""
-        try:
-            nodes = ray.get([w.node.remote() for w in self._workers],
-                            timeout=self.settings.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(
-                f"keras-ring: the {len(self._workers)} Ray actors did not all start within "
-                f"timeout_s={self.settings.timeout_s} s") from None
-        # Ranks of one node are consecutive, nodes in the order of their first worker.
-        order = {}
-        for node in nodes:
-            order.setdefault(node, len(order))
-        ranked = sorted(range(len(nodes)), key=lambda i: order[nodes[i]])
-        self._workers = [self._workers[i] for i in ranked]
+    def _connect(self, extra_env_vars, nodes):
+        """Gives each started actor its rank, its node's id as its host name and the job's
+        store."""
         secret = secrets.token_hex(32)
         host = ray.util.get_node_ip_address()
         self._server = RendezvousServer(secret.encode(), host=host)
         self._server.start()
         store = f"{host}:{self._server.address[1]}"
-        ray.get([w.set_env.remote({
-            **job_env(dict(extra_env_vars or {}), store, secret),
-            "KERAS_RING_RANK": rank, "KERAS_RING_SIZE": len(nodes),
-            "KERAS_RING_HOSTNAME": nodes[i]})
-            for rank, (i, w) in enumerate(zip(ranked, self._workers))],
-            timeout=self.settings.timeout_s)
+        try:
+            ray.get([w.set_env.remote({
+                **job_env(dict(extra_env_vars or {}), store, secret),
+                "KERAS_RING_RANK": rank, "KERAS_RING_SIZE": len(nodes),
+                "KERAS_RING_HOSTNAME": node})
+                for rank, (node, w) in enumerate(zip(nodes, self._workers))],
+                timeout=self.settings.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"keras-ring: the {len(self._workers)} Ray actors did not all start within "
+                f"timeout_s={self.settings.timeout_s} s") from None
 
     def run(self, fn, args=None, kwargs=None, callbacks=None):
         """`fn(*args, **kwargs)` on every worker; their results in rank order.

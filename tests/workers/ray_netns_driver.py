@@ -2,7 +2,7 @@
 `python ray_netns_driver.py executor|trainer|elastic`, run in the head's host.
 
 It joins the cluster RAY_ADDRESS names, runs one scenario's job on it and prints what the
-test checks as one JSON line:
+test checks as one JSON line, after `RESULT`:
 
 - executor: `RayExecutor` with 3 workers packed onto the nodes, then 2 hosts of one worker:
   each worker's ranks and host name, and `tests/ray_jobs.fit`'s starting and final weights;
@@ -24,6 +24,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
 import ray_jobs  # noqa: E402
 
 from keras_ring.ray import ElasticRayExecutor, RayExecutor  # noqa: E402
+
+RESULT = "driver's result: "  # the start of its line, among the workers' lines Ray prints
 
 
 def same(a, b):
@@ -85,11 +87,11 @@ def elastic():
         executor.shutdown()
 
 
-ray.init(log_to_driver=False)
+ray.init()  # the workers' output comes here, as a user's driver has it
 try:
     # Ray's workers cannot import ray_jobs: it travels by value.
     ray.cloudpickle.register_pickle_by_value(ray_jobs)
     outcome = {"executor": executor, "trainer": trainer, "elastic": elastic}[sys.argv[1]]()
-    print(json.dumps(outcome, default=lambda a: a.tolist()), flush=True)
+    print(RESULT + json.dumps(outcome, default=lambda a: a.tolist()), flush=True)
 finally:
     ray.shutdown()
