@@ -124,6 +124,13 @@ def trainer_loop(config):
                 checkpoint=checkpoint)
 
 
+def elastic_env():
+    """What the elastic script's workers take from the driver's environment: the test's
+    settings (KR_TEST_*), keras-ring's and Keras's, and the thread counts."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("KR_TEST", "KERAS"))
+            or k in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")}
+
+
 def train_script():
     """tests/workers/elastic_train_worker.py, the elastic jobs' script, as the function;
     returns this worker's name."""

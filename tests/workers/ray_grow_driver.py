@@ -10,7 +10,7 @@ KR_TEST_HOSTS_PHASES say), and prints the results as one JSON line.
 import json
 import os
 import pathlib
-import runpy
+import sys
 import threading
 import time
 
@@ -19,29 +19,26 @@ from ray.cluster_utils import Cluster
 
 from keras_ring.ray import ElasticRayExecutor
 
-WORKER = pathlib.Path(__file__).parent / "elastic_train_worker.py"
-
-
-def train():
-    runpy.run_path(str(WORKER), run_name="__main__")
-    return os.environ["KERAS_RING_WORKER"]
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+import ray_jobs  # noqa: E402
 
 
 def run(executor, results):
     try:
-        results.append(executor.run(train))
+        results.append(executor.run(ray_jobs.train_script))
     except BaseException as e:  # noqa: BLE001 -- raised again by the main thread
         results.append(e)
 
 
+# Ray's workers cannot import ray_jobs: it travels by value.
+ray.cloudpickle.register_pickle_by_value(ray_jobs)
 # Ray adds nodes from the main thread only: the job runs in another.
 cluster = Cluster(initialize_head=True, connect=True,
                   head_node_args={"num_cpus": 2, "include_dashboard": False})
 try:
     executor = ElasticRayExecutor(
         ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=3, elastic_timeout=60),
-        env_vars={k: os.environ[k] for k in os.environ if k.startswith(("KR_TEST", "KERAS"))
-                  or k in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")})
+        env_vars=ray_jobs.elastic_env())
     executor.start()
     results = []
     job = threading.Thread(target=run, args=(executor, results))

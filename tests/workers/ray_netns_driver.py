@@ -76,8 +76,7 @@ def trainer():
 def elastic():
     executor = ElasticRayExecutor(
         ElasticRayExecutor.create_settings(min_num_proc=2),
-        env_vars={k: v for k, v in os.environ.items() if k.startswith(("KR_TEST", "KERAS"))
-                  or k in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")})
+        env_vars=ray_jobs.elastic_env())
     executor.start()
     try:
         return {"names": executor.run(ray_jobs.train_script)}
