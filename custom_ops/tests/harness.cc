@@ -51,24 +51,33 @@ void RecordFailure(const char* file, int line, const std::string& message) {
 int main(int argc, char** argv) {
   using kr_test::Registry;
   // Arguments: substrings; a case runs if its name contains any of them.
-  // -v prints every case with its time, -l lists the cases.
+  // -v prints every case with its time, -l lists the cases. "-s K/N" runs
+  // shard K of N: the K-th of every N selected cases, so that N processes
+  // share the cases (their sizes interleaved) on N cores.
   bool verbose = false, list = false;
+  int shard = 0, shards = 1;
   std::vector<std::string> filters;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "-v") == 0) {
       verbose = true;
     } else if (std::strcmp(argv[i], "-l") == 0) {
       list = true;
+    } else if (std::strcmp(argv[i], "-s") == 0 && i + 1 < argc) {
+      if (std::sscanf(argv[++i], "%d/%d", &shard, &shards) != 2 || shards < 1 || shard < 0 ||
+          shard >= shards) {
+        std::fprintf(stderr, "-s takes K/N with 0 <= K < N, not %s\n", argv[i]);
+        return 2;
+      }
     } else {
       filters.emplace_back(argv[i]);
     }
   }
 
-  int passed = 0, failed = 0;
+  int passed = 0, failed = 0, selected_count = 0;
   for (const kr_test::TestCase& test : Registry()) {
     bool selected = filters.empty();
     for (const std::string& f : filters) selected |= test.name.find(f) != std::string::npos;
-    if (!selected) continue;
+    if (!selected || selected_count++ % shards != shard) continue;
     if (list) {
       std::printf("%s\n", test.name.c_str());
       continue;
