@@ -62,10 +62,11 @@ int main(int argc, char** argv) {
       verbose = true;
     } else if (std::strcmp(argv[i], "-l") == 0) {
       list = true;
-    } else if (std::strcmp(argv[i], "-s") == 0 && i + 1 < argc) {
-      if (std::sscanf(argv[++i], "%d/%d", &shard, &shards) != 2 || shards < 1 || shard < 0 ||
+    } else if (std::strcmp(argv[i], "-s") == 0) {
+      const char* value = ++i < argc ? argv[i] : "nothing";
+      if (std::sscanf(value, "%d/%d", &shard, &shards) != 2 || shards < 1 || shard < 0 ||
           shard >= shards) {
-        std::fprintf(stderr, "-s takes K/N with 0 <= K < N, not %s\n", argv[i]);
+        std::fprintf(stderr, "-s takes K/N with 0 <= K < N, not %s\n", value);
         return 2;
       }
     } else {
